@@ -1,0 +1,24 @@
+"""keepalive-executor: a vLLM distributed executor whose idle ranks wait on a collective.
+
+The driver (rank 0) runs in the engine process; ranks 1..N-1 wait indefinitely on the
+driver's broadcast, and a pacer sends no-op keepalives while the engine is idle so the
+collective never times out. Layout:
+
+* :mod:`~keepalive_executor.plugin`      registration of the ``keepalive`` backend name
+* :mod:`~keepalive_executor.config`      settings and their start-up validation
+* :mod:`~keepalive_executor.channel`     framing and the broadcast channel (wire format)
+* :mod:`~keepalive_executor.pacer`       the idle/busy state machine and its thread
+* :mod:`~keepalive_executor.rpc`         requests, replies and the reply gather
+* :mod:`~keepalive_executor.executor`    the vLLM ``Executor`` (driver side)
+* :mod:`~keepalive_executor.worker_loop` the receive loop of ranks 1..N-1
+* :mod:`~keepalive_executor.launcher`    worker processes: start, ready, watch, stop
+"""
+
+__version__ = "0.1.0"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point (see :mod:`keepalive_executor.plugin`)."""
+    from keepalive_executor.plugin import register as _register
+
+    _register()

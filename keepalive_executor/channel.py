@@ -1,0 +1,347 @@
+"""The broadcast channel: one sender (the driver) and N-1 receivers on one process group.
+
+Wire format
+===========
+
+Every message is one **frame**: a fixed-size ``uint8`` tensor of ``FRAME = HEADER + inline``
+bytes, broadcast from the source rank with ``torch.distributed.broadcast``. Because the size is
+fixed, receivers can post the broadcast before they know what is coming, and a small message
+costs exactly one collective::
+
+    offset  size  field
+    0       4     magic        b"KAch"
+    4       2     version      FORMAT_VERSION (receivers reject any other)
+    6       2     kind         MessageKind: 1 payload, 2 keepalive, 3 shutdown
+    8       8     seq          1, 2, 3, ...  (per channel, every kind counts)
+    16      8     length       payload length in bytes
+    24      4     header_crc   zlib.crc32 of bytes 0..23
+    28      4     (zero)
+    32      ...   inline payload: the first min(length, inline) bytes of the payload
+
+If ``length > inline`` the *whole* payload follows in a second broadcast of exactly ``length``
+bytes (the receiver allocates it from the header), so a large message costs two collectives
+and the first frame's inline bytes are unused. Keepalive and shutdown frames have length 0.
+
+Receivers check, in this order: magic, version, header CRC, kind, ``length <= max_payload``,
+and ``seq == previous + 1``. Any failure raises :class:`ChannelProtocolError` (a subclass of
+:class:`ChannelError`); nothing is silently skipped. The payload itself is covered by the
+transport (TCP for gloo, NCCL's own integrity), not by a checksum of ours: a checksum would
+cost a pass over every large payload on the hot path.
+
+Payloads are ``pickle`` (protocol 5) of any object; if plain pickle cannot serialize it
+(lambdas, local functions) the channel falls back to ``cloudpickle``, whose output
+``pickle.loads`` reads. Serialization and the size check happen on the sender *before* the
+first collective, so a message that cannot be sent leaves every receiver untouched and the
+channel in sync.
+
+Concurrency: :meth:`BroadcastChannel.send` (and the keepalive/shutdown variants) take one
+lock, so messages from several sender threads are totally ordered and their frames never
+interleave. The lock is exposed as :attr:`BroadcastChannel.send_lock` so that the pacer can
+make "decide to send a keepalive" and "send it" one atomic step.
+
+Trust: receivers unpickle what the source rank sends. Every rank therefore trusts the source
+rank and whoever can join the process group (see docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "DEFAULT_INLINE_BYTES",
+    "DEFAULT_MAX_PAYLOAD_BYTES",
+    "MessageKind",
+    "Message",
+    "FrameHeader",
+    "ChannelError",
+    "ChannelProtocolError",
+    "ChannelSerializationError",
+    "ChannelTransportError",
+    "PayloadTooLargeError",
+    "encode_header",
+    "decode_header",
+    "serialize",
+    "deserialize",
+    "SequenceChecker",
+    "BroadcastChannel",
+]
+
+MAGIC = b"KAch"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHHQQ")  # magic, version, kind, seq, length -> 24 bytes
+_CRC = struct.Struct("<II")  # header_crc, zero pad
+HEADER_SIZE = _HEADER.size + _CRC.size  # 32
+
+#: Inline capacity. 16 KiB holds a decode step's pickled SchedulerOutput for the batch
+#: sizes we measured, and a 16 KiB gloo broadcast costs about the same as a 64 B one on
+#: loopback (docs/benchmarks.md), so most messages cost one collective.
+DEFAULT_INLINE_BYTES = 16 * 1024
+#: Largest payload the sender accepts; larger messages are rejected before any collective.
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
+
+
+class MessageKind(enum.IntEnum):
+    """What a frame means to the receiver's loop."""
+
+    PAYLOAD = 1
+    """Work: a pickled object follows (inline or in a second broadcast)."""
+    KEEPALIVE = 2
+    """Nothing to do: the driver is idle and keeps the collective from timing out."""
+    SHUTDOWN = 3
+    """The last frame of the channel: receivers leave their loop."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """One received message. ``payload`` is ``None`` unless ``kind`` is PAYLOAD."""
+
+    kind: MessageKind
+    seq: int
+    payload: Any = None
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """The decoded fixed header of one frame."""
+
+    kind: MessageKind
+    seq: int
+    length: int
+    version: int = FORMAT_VERSION
+
+
+class ChannelError(RuntimeError):
+    """Base class of every error the channel raises."""
+
+
+class ChannelProtocolError(ChannelError):
+    """A frame that breaks the wire format: bad magic, version, CRC, kind or sequence."""
+
+
+class ChannelSerializationError(ChannelError):
+    """The sender could not serialize a message; nothing was sent."""
+
+
+class PayloadTooLargeError(ChannelError):
+    """The serialized payload exceeds ``max_payload_bytes``; nothing was sent."""
+
+
+class ChannelTransportError(ChannelError):
+    """The collective itself failed: a peer died, the group timed out, or it was aborted."""
+
+
+def encode_header(header: FrameHeader) -> bytes:
+    """Return the HEADER_SIZE bytes that start a frame."""
+    head = _HEADER.pack(MAGIC, header.version, int(header.kind), header.seq, header.length)
+    return head + _CRC.pack(zlib.crc32(head), 0)
+
+
+def decode_header(frame: bytes | memoryview, max_payload_bytes: int) -> FrameHeader:
+    """Parse and validate a frame's header. Raises ChannelProtocolError on anything odd."""
+    if len(frame) < HEADER_SIZE:
+        raise ChannelProtocolError(
+            f"truncated frame: {len(frame)} bytes, a header needs {HEADER_SIZE}"
+        )
+    head = bytes(frame[: _HEADER.size])
+    magic, version, kind, seq, length = _HEADER.unpack(head)
+    if magic != MAGIC:
+        raise ChannelProtocolError(f"bad frame magic {magic!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise ChannelProtocolError(
+            f"frame format version {version}, this receiver speaks {FORMAT_VERSION}: "
+            "every rank must run the same keepalive-executor version"
+        )
+    crc, _pad = _CRC.unpack(bytes(frame[_HEADER.size : HEADER_SIZE]))
+    if crc != zlib.crc32(head):
+        raise ChannelProtocolError("frame header checksum mismatch (corrupt frame)")
+    try:
+        mkind = MessageKind(kind)
+    except ValueError:
+        raise ChannelProtocolError(f"unknown message kind {kind}") from None
+    if length > max_payload_bytes:
+        raise ChannelProtocolError(
+            f"frame announces {length} payload bytes, above the limit {max_payload_bytes}"
+        )
+    if mkind is not MessageKind.PAYLOAD and length != 0:
+        raise ChannelProtocolError(f"{mkind.name} frame with a {length}-byte payload")
+    return FrameHeader(kind=mkind, seq=seq, length=length, version=version)
+
+
+def serialize(obj: Any) -> bytes:
+    """Pickle ``obj``; fall back to cloudpickle for what plain pickle refuses."""
+    try:
+        return pickle.dumps(obj, protocol=5)
+    except (pickle.PicklingError, AttributeError, TypeError) as first:
+        try:
+            import cloudpickle
+
+            return cloudpickle.dumps(obj, protocol=5)
+        except Exception as e:  # noqa: BLE001 - report both failures to the caller
+            raise ChannelSerializationError(
+                f"cannot serialize {type(obj).__name__} for the broadcast channel: "
+                f"pickle said {first!r}; cloudpickle said {e!r}"
+            ) from e
+
+
+def deserialize(data: bytes | memoryview) -> Any:
+    """Inverse of :func:`serialize`."""
+    return pickle.loads(data)
+
+
+class SequenceChecker:
+    """Receiver-side sequence check: every frame must carry exactly previous + 1."""
+
+    def __init__(self) -> None:
+        self.last_seq = 0
+
+    def check(self, seq: int) -> None:
+        """Accept ``seq`` or raise ChannelProtocolError naming the gap or repeat."""
+        expected = self.last_seq + 1
+        if seq != expected:
+            what = "repeated" if seq <= self.last_seq else "gap in"
+            raise ChannelProtocolError(
+                f"{what} sequence: got frame {seq}, expected {expected}"
+            )
+        self.last_seq = seq
+
+
+class BroadcastChannel:
+    """Driver-to-all broadcast of messages over a torch.distributed process group.
+
+    The same object is built on every rank of ``group``; the rank equal to ``src`` (a global
+    rank) may call the ``send*`` methods, every other rank calls :meth:`recv`.
+    ``device`` is where frames live: ``cpu`` for gloo, the rank's CUDA device for NCCL/RCCL.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        src: int = 0,
+        *,
+        device: torch.device | str = "cpu",
+        inline_bytes: int = DEFAULT_INLINE_BYTES,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    ) -> None:
+        if inline_bytes < 0:
+            raise ValueError(f"inline_bytes must be >= 0, got {inline_bytes}")
+        if max_payload_bytes < 0:
+            raise ValueError(f"max_payload_bytes must be >= 0, got {max_payload_bytes}")
+        self.group = group
+        self.src = src
+        self.device = torch.device(device)
+        self.inline_bytes = inline_bytes
+        self.max_payload_bytes = max_payload_bytes
+        self.frame_bytes = HEADER_SIZE + inline_bytes
+        self.rank = dist.get_rank()
+        self.is_sender = self.rank == src
+        self.send_lock = threading.RLock()
+        self._frame = torch.zeros(self.frame_bytes, dtype=torch.uint8, device=self.device)
+        self._host_frame = (
+            self._frame if self.device.type == "cpu" else torch.zeros_like(self._frame, device="cpu")
+        )
+        self._next_seq = 1
+        self._seq_check = SequenceChecker()
+        self._closed = False
+        #: time.monotonic() of the last completed send (sender only)
+        self.last_send_monotonic = time.monotonic()
+
+    # ------------------------------------------------------------------ sender side
+    def send(self, obj: Any) -> int:
+        """Broadcast ``obj`` as a PAYLOAD message; return its sequence number."""
+        data = serialize(obj)
+        if len(data) > self.max_payload_bytes:
+            raise PayloadTooLargeError(
+                f"message of {len(data)} bytes exceeds the channel limit of "
+                f"{self.max_payload_bytes} bytes; nothing was sent"
+            )
+        return self._send(MessageKind.PAYLOAD, data)
+
+    def send_keepalive(self) -> int:
+        """Broadcast a no-op keepalive frame."""
+        return self._send(MessageKind.KEEPALIVE, b"")
+
+    def send_shutdown(self) -> int:
+        """Broadcast the final frame; further sends raise ChannelError."""
+        seq = self._send(MessageKind.SHUTDOWN, b"")
+        self._closed = True
+        return seq
+
+    def _send(self, kind: MessageKind, data: bytes) -> int:
+        if not self.is_sender:
+            raise ChannelError(f"rank {self.rank} is a receiver; only rank {self.src} sends")
+        with self.send_lock:
+            if self._closed:
+                raise ChannelError("channel is shut down (or failed); nothing was sent")
+            seq = self._next_seq
+            header = encode_header(FrameHeader(kind=kind, seq=seq, length=len(data)))
+            host = self._host_frame.numpy()
+            host[:HEADER_SIZE] = memoryview(header)
+            if 0 < len(data) <= self.inline_bytes:
+                host[HEADER_SIZE : HEADER_SIZE + len(data)] = memoryview(data)
+            try:
+                if self._frame is not self._host_frame:
+                    self._frame.copy_(self._host_frame)
+                dist.broadcast(self._frame, src=self.src, group=self.group)
+                if len(data) > self.inline_bytes:
+                    big = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+                    dist.broadcast(big, src=self.src, group=self.group)
+            except Exception as e:
+                # A frame may be half-delivered: the channel can no longer be trusted.
+                self._closed = True
+                raise ChannelTransportError(
+                    f"broadcast of frame {seq} ({kind.name}) from rank {self.src} failed: {e}"
+                ) from e
+            self._next_seq = seq + 1
+            self.last_send_monotonic = time.monotonic()
+            return seq
+
+    # ---------------------------------------------------------------- receiver side
+    def recv(self) -> Message:
+        """Wait (for as long as the group's timeout allows) for the next message."""
+        if self.is_sender:
+            raise ChannelError(f"rank {self.rank} is the sender; it cannot recv")
+        if self._closed:
+            raise ChannelError("channel already received SHUTDOWN (or failed)")
+        try:
+            dist.broadcast(self._frame, src=self.src, group=self.group)
+            host = self._frame if self._frame is self._host_frame else self._frame.cpu()
+            raw = host.numpy()
+            header = decode_header(raw[:HEADER_SIZE].tobytes(), self.max_payload_bytes)
+            self._seq_check.check(header.seq)
+            payload: Any = None
+            if header.kind is MessageKind.PAYLOAD:
+                if header.length <= self.inline_bytes:
+                    data = raw[HEADER_SIZE : HEADER_SIZE + header.length].tobytes()
+                else:
+                    big = torch.empty(header.length, dtype=torch.uint8, device=self.device)
+                    dist.broadcast(big, src=self.src, group=self.group)
+                    data = big.cpu().numpy().tobytes()
+                payload = deserialize(data)
+            elif header.kind is MessageKind.SHUTDOWN:
+                self._closed = True
+            return Message(kind=header.kind, seq=header.seq, payload=payload)
+        except ChannelError:
+            self._closed = True
+            raise
+        except Exception as e:
+            self._closed = True
+            raise ChannelTransportError(
+                f"rank {self.rank}: waiting for the broadcast from rank {self.src} failed: {e}"
+            ) from e
+
+    @property
+    def closed(self) -> bool:
+        """True after SHUTDOWN was sent/received or a failure broke the channel."""
+        return self._closed

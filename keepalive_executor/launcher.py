@@ -1,0 +1,203 @@
+"""Start, watch and stop the executor's worker processes (ranks 1..N-1).
+
+* **ready handshake**: each worker sends ``{"status": "READY"}`` on its ready pipe once it has
+  joined the process groups and built its channel. :func:`wait_for_ready` waits for every
+  pipe *and* every process sentinel, so a worker that dies during start-up is reported at
+  once, naming its rank and exit code, rather than after a timeout.
+* **death detection**: :class:`WorkerMonitor` (thread ``keepalive-worker-monitor``) waits on
+  the sentinels and calls back with the first rank that exits.
+* **orphans**: each worker holds the read end of a *death pipe* whose write end only the
+  parent holds; when the parent dies, for any reason, the pipe closes and the worker exits.
+* **stop**: :func:`stop_workers` waits a grace period, then SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+__all__ = ["WorkerHandle", "spawn_worker", "wait_for_ready", "WorkerMonitor", "stop_workers"]
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerStartupError(RuntimeError):
+    """A worker process failed before it was ready."""
+
+
+@dataclass
+class WorkerHandle:
+    """The parent's view of one worker process."""
+
+    rank: int
+    proc: BaseProcess
+    ready_pipe: Connection | None
+    death_writer: Connection | None
+    pid: int | None = field(default=None)
+
+    def close_pipes(self) -> None:
+        """Close the parent's pipe ends (closing the death pipe tells the worker to go)."""
+        for name in ("ready_pipe", "death_writer"):
+            conn = getattr(self, name)
+            if conn is not None:
+                conn.close()
+                setattr(self, name, None)
+
+
+@contextmanager
+def _omp_env(vllm_config: Any, rank: int) -> Iterator[None]:
+    """On CPU, set the OpenMP binding variables the worker must inherit (as vLLM's mp does)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        yield
+        return
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    with OMPProcessManager(vllm_config).configure_omp_envs(rank=rank, local_rank=rank):
+        yield
+
+
+def spawn_worker(vllm_config: Any, rank: int, worker_kwargs: dict[str, Any]) -> WorkerHandle:
+    """Start the worker process for ``rank`` (spawn context, daemonic)."""
+    from vllm.utils.system_utils import get_mp_context
+
+    from keepalive_executor.worker_loop import worker_main
+
+    ctx = get_mp_context()
+    ready_reader, ready_writer = ctx.Pipe(duplex=False)
+    death_reader, death_writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=worker_main,
+        kwargs=dict(
+            vllm_config=vllm_config,
+            rank=rank,
+            local_rank=rank,
+            ready_pipe=ready_writer,
+            death_pipe=death_reader,
+            **worker_kwargs,
+        ),
+        name=f"KeepaliveWorker-{rank}",
+        daemon=True,
+    )
+    with _omp_env(vllm_config, rank):
+        proc.start()
+    ready_writer.close()
+    death_reader.close()
+    return WorkerHandle(rank=rank, proc=proc, ready_pipe=ready_reader, death_writer=death_writer)
+
+
+def wait_for_ready(workers: list[WorkerHandle], timeout_s: float) -> None:
+    """Block until every worker said READY; raise naming the first that died or hung."""
+    pending = {w.ready_pipe: w for w in workers if w.ready_pipe is not None}
+    sentinels = {w.proc.sentinel: w for w in workers}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            ranks = sorted(w.rank for w in pending.values())
+            raise WorkerStartupError(
+                f"keepalive workers {ranks} not ready after {timeout_s:g}s"
+            )
+        ready = multiprocessing.connection.wait([*pending, *sentinels], timeout=left)
+        for obj in ready:
+            if obj in pending:
+                w = pending.pop(obj)
+                try:
+                    msg = obj.recv()
+                except EOFError:
+                    w.proc.join(5)
+                    raise WorkerStartupError(
+                        f"keepalive worker rank {w.rank} exited during start-up "
+                        f"(exit code {w.proc.exitcode}); see its log above"
+                    ) from None
+                if msg.get("status") != "READY":
+                    raise WorkerStartupError(f"worker rank {w.rank} sent {msg!r}")
+                w.pid = msg.get("pid")
+                obj.close()
+                w.ready_pipe = None
+            elif obj in sentinels:
+                w = sentinels.pop(obj)
+                if w.ready_pipe in pending:
+                    # Its READY may still be in the pipe; only a dead *and* silent worker fails.
+                    if not w.ready_pipe.poll():
+                        raise WorkerStartupError(
+                            f"keepalive worker rank {w.rank} exited during start-up "
+                            f"(exit code {w.proc.exitcode}); see its log above"
+                        )
+
+
+class WorkerMonitor:
+    """Thread that reports the first worker to exit while it is not being stopped."""
+
+    def __init__(self, workers: list[WorkerHandle], on_death: Callable[[WorkerHandle], None]):
+        self._workers = list(workers)
+        self._on_death = on_death
+        self._stopping = threading.Event()
+        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
+        self._thread = threading.Thread(
+            target=self._run, name="keepalive-worker-monitor", daemon=True
+        )
+
+    def start(self) -> None:
+        """Start watching."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching (before workers are asked to exit). Safe to call twice."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        try:
+            self._wake_w.send(None)
+        except OSError:
+            pass
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(5)
+        self._wake_w.close()
+        self._wake_r.close()
+
+    def _run(self) -> None:
+        by_sentinel = {w.proc.sentinel: w for w in self._workers}
+        ready = multiprocessing.connection.wait([*by_sentinel, self._wake_r])
+        if self._stopping.is_set():
+            return
+        dead = [by_sentinel[s] for s in ready if s in by_sentinel]
+        if dead:
+            self._on_death(dead[0])
+
+
+def stop_workers(workers: list[WorkerHandle], grace_s: float) -> None:
+    """Wait ``grace_s`` for workers to exit, then SIGTERM, then SIGKILL; reap them all."""
+    procs = [w.proc for w in workers]
+
+    def alive() -> list[BaseProcess]:
+        return [p for p in procs if p.is_alive()]
+
+    def wait(seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while alive() and time.monotonic() < end:
+            multiprocessing.connection.wait([p.sentinel for p in alive()], timeout=0.1)
+        return not alive()
+
+    if not wait(grace_s):
+        for p in alive():
+            logger.warning("keepalive worker %s did not exit; sending SIGTERM", p.name)
+            p.terminate()
+        if not wait(4.0):
+            for p in alive():
+                logger.warning("keepalive worker %s ignored SIGTERM; sending SIGKILL", p.name)
+                p.kill()
+            wait(4.0)
+    for w in workers:
+        w.close_pipes()
+        w.proc.join(0.1)

@@ -1,0 +1,46 @@
+"""vLLM plugin registration: make the bare backend name ``keepalive`` resolve to our executor.
+
+vLLM loads every ``vllm.general_plugins`` entry point in every process it starts (front end,
+engine core, workers), so :func:`register` must be idempotent. vLLM's ``Executor.get_class``
+knows only its built-in names and dotted import paths; we wrap it so that exactly the name
+``keepalive`` maps to :class:`~keepalive_executor.executor.KeepaliveExecutor` (after the
+start-up checks, so a bad setting fails in the front end before any model loads) and every
+other value takes vLLM's own path unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["BACKEND_NAME", "register", "is_registered"]
+
+BACKEND_NAME = "keepalive"
+_MARK = "_keepalive_executor_wrapped"
+
+
+def is_registered() -> bool:
+    """Whether ``Executor.get_class`` already knows ``keepalive`` in this process."""
+    from vllm.v1.executor.abstract import Executor
+
+    return getattr(Executor.get_class, _MARK, False)
+
+
+def register() -> None:
+    """Entry point of the ``keepalive`` plugin; safe to call any number of times."""
+    from vllm.v1.executor.abstract import Executor
+
+    if is_registered():
+        return
+    vllm_get_class = Executor.get_class
+
+    def get_class(vllm_config: Any) -> type[Executor]:
+        if vllm_config.parallel_config.distributed_executor_backend == BACKEND_NAME:
+            from keepalive_executor.executor import KeepaliveExecutor
+
+            KeepaliveExecutor.validate(vllm_config)
+            return KeepaliveExecutor
+        return vllm_get_class(vllm_config)
+
+    get_class.__doc__ = vllm_get_class.__doc__
+    setattr(get_class, _MARK, True)
+    Executor.get_class = staticmethod(get_class)  # type: ignore[method-assign]

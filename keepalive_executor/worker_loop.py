@@ -1,0 +1,183 @@
+"""The non-driver rank: wait on the driver's broadcast indefinitely, run what it says.
+
+A worker process (ranks 1..N-1) goes through::
+
+    start -> init_worker -> init_device (joins the process groups) -> build channel
+          -> READY on the ready pipe -> receive loop -> SHUTDOWN -> clean exit (code 0)
+
+In the receive loop a KEEPALIVE is "nothing to do": the worker goes straight back to waiting.
+A PAYLOAD is an :class:`~keepalive_executor.rpc.RpcRequest`; the worker runs it on its vLLM
+worker and, if the call wants replies, joins the reply gather. Exit codes:
+
+* 0  after SHUTDOWN;
+* 1  the channel broke (driver died, collective timed out) or a no-reply step raised;
+* 2  the parent process went away (death pipe closed) outside a shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from keepalive_executor.channel import BroadcastChannel, ChannelError, MessageKind
+from keepalive_executor.rpc import RpcReply, RpcRequest, gather_replies
+
+__all__ = ["receive_loop", "make_channel", "worker_main", "WorkerStepError"]
+
+logger = logging.getLogger(__name__)
+
+EXIT_SHUTDOWN = 0
+EXIT_FAILED = 1
+EXIT_ORPHANED = 2
+
+
+class WorkerStepError(RuntimeError):
+    """A call without replies (a model step) raised on this rank."""
+
+
+def run_request(worker: Any, req: RpcRequest) -> Any:
+    """Run one request on a vLLM worker (wrapper) and resolve async outputs."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+    from vllm.v1.serial_utils import run_method
+
+    out = run_method(worker, req.method, req.args, req.kwargs or {})
+    if isinstance(out, AsyncModelRunnerOutput):
+        out = out.get_output()
+    return out
+
+
+def receive_loop(
+    worker: Any,
+    channel: BroadcastChannel,
+    reply_group: Any,
+    *,
+    rank: int,
+    world_size: int,
+    src: int = 0,
+    run: Any = run_request,
+) -> int:
+    """Follow the driver until SHUTDOWN; return the number of keepalives seen."""
+    keepalives = 0
+    while True:
+        msg = channel.recv()
+        if msg.kind is MessageKind.KEEPALIVE:
+            keepalives += 1
+            continue
+        if msg.kind is MessageKind.SHUTDOWN:
+            logger.debug("rank %d: SHUTDOWN after %d keepalives", rank, keepalives)
+            return keepalives
+        req: RpcRequest = msg.payload
+        try:
+            reply = RpcReply(rank=rank, ok=True, value=run(worker, req))
+        except Exception as e:  # noqa: BLE001 - reported to the driver or fatal
+            logger.exception("rank %d: %s raised", rank, req.name)
+            if not req.reply:
+                raise WorkerStepError(f"rank {rank}: {req.name} raised {e!r}") from e
+            reply = RpcReply(
+                rank=rank,
+                ok=False,
+                error=f"{type(e).__name__}: {e}",
+                traceback=traceback.format_exc(),
+            )
+        if req.reply:
+            gather_replies(reply, reply_group, dst=src, world_size=world_size)
+
+
+def make_channel(transport: str, inline_bytes: int) -> tuple[BroadcastChannel, Any]:
+    """Build the channel on vLLM's world group; return it and the reply (CPU) group."""
+    import torch
+    from vllm.distributed.parallel_state import get_world_group
+
+    world = get_world_group()
+    if transport == "cpu":
+        group, device = world.cpu_group, torch.device("cpu")
+    else:
+        group, device = world.device_group, world.device
+    channel = BroadcastChannel(group, src=world.ranks[0], device=device, inline_bytes=inline_bytes)
+    return channel, world.cpu_group
+
+
+def _watch_parent(death_pipe: Connection, shutting_down: threading.Event) -> None:
+    """Exit the process when the parent dies (its end of the pipe closes)."""
+
+    def watch() -> None:
+        try:
+            death_pipe.recv()
+        except (EOFError, OSError):
+            pass
+        if not shutting_down.is_set():
+            logger.error("keepalive worker: parent process exited; exiting")
+            os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, name="keepalive-parent-watch", daemon=True).start()
+
+
+def worker_main(
+    *,
+    vllm_config: Any,
+    rank: int,
+    local_rank: int,
+    distributed_init_method: str,
+    transport: str,
+    inline_bytes: int,
+    ready_pipe: Connection,
+    death_pipe: Connection,
+    shared_worker_lock: Any,
+) -> None:
+    """Entry point of a worker process started by the executor."""
+    shutting_down = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        shutting_down.set()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    _watch_parent(death_pipe, shutting_down)
+
+    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    world_size = vllm_config.parallel_config.world_size
+    code = EXIT_FAILED
+    wrapper = None
+    try:
+        wrapper = WorkerWrapperBase(rpc_rank=local_rank, global_rank=rank)
+        all_kwargs: list[dict] = [{} for _ in range(world_size)]
+        all_kwargs[local_rank] = dict(
+            vllm_config=vllm_config,
+            local_rank=local_rank,
+            rank=rank,
+            distributed_init_method=distributed_init_method,
+            is_driver_worker=False,
+            shared_worker_lock=shared_worker_lock,
+        )
+        wrapper.init_worker(all_kwargs)
+        wrapper.init_device()
+        channel, reply_group = make_channel(transport, inline_bytes)
+        ready_pipe.send({"status": "READY", "rank": rank, "pid": os.getpid()})
+        ready_pipe.close()
+        receive_loop(wrapper, channel, reply_group, rank=rank, world_size=world_size)
+        code = EXIT_SHUTDOWN
+    except (ChannelError, WorkerStepError) as e:
+        logger.error("keepalive worker rank %d stops: %s", rank, e)
+    except SystemExit:
+        code = EXIT_SHUTDOWN if shutting_down.is_set() else EXIT_FAILED
+    except BaseException:  # noqa: BLE001 - logged, then a non-zero exit
+        logger.exception("keepalive worker rank %d failed", rank)
+    finally:
+        shutting_down.set()
+        try:
+            if wrapper is not None and getattr(wrapper, "worker", None) is not None:
+                wrapper.shutdown()
+            if code == EXIT_SHUTDOWN:
+                destroy_model_parallel()
+                destroy_distributed_environment()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            logger.debug("cleanup after the receive loop failed", exc_info=True)
+    os._exit(code)

