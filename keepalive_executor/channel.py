@@ -248,9 +248,8 @@ class BroadcastChannel:
         self.is_sender = self.rank == src
         self.send_lock = threading.RLock()
         self._frame = torch.zeros(self.frame_bytes, dtype=torch.uint8, device=self.device)
-        self._host_frame = (
-            self._frame if self.device.type == "cpu" else torch.zeros_like(self._frame, device="cpu")
-        )
+        on_cpu = self.device.type == "cpu"
+        self._host_frame = self._frame if on_cpu else torch.zeros_like(self._frame, device="cpu")
         self._next_seq = 1
         self._seq_check = SequenceChecker()
         self._closed = False

@@ -23,7 +23,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-
 from vllm.v1.executor.abstract import Executor, FailureCallback
 
 from keepalive_executor.channel import BroadcastChannel, ChannelError
@@ -41,7 +40,7 @@ from keepalive_executor.launcher import (
 )
 from keepalive_executor.pacer import Pacer
 from keepalive_executor.rpc import RpcReply, RpcRequest, WorkerRpcError, gather_replies
-from keepalive_executor.worker_loop import make_channel, run_request
+from keepalive_executor.worker_loop import make_channel
 
 __all__ = ["KeepaliveExecutor", "ExecutorFailedError"]
 

@@ -207,27 +207,46 @@ class Pacer:
             self._core.stopped()
 
     # -- the thread ----------------------------------------------------------------
+    def tick(self) -> float | None:
+        """One pass of the thread's loop: send a keepalive if one is due.
+
+        Returns the seconds until the next decision, or None when only a notification
+        (a step finishing, stop) can change it. The thread calls this; property tests call
+        it directly with a fake clock instead of running the thread.
+        """
+        with self._cond:
+            return self._tick_locked()
+
+    def _tick_locked(self) -> float | None:
+        if not self._core.accepting:
+            return None
+        due = self._core.keepalive_due_at()
+        if due is None:
+            return None
+        now = self._clock()
+        if now < due:
+            return due - now
+        try:
+            with self._send_lock:
+                self._send_keepalive()
+        except BaseException as e:  # noqa: BLE001 - reported by the thread, then it ends
+            self._core.fail(e)
+            raise
+        self.keepalives_sent += 1
+        self._core.note_broadcast(self._clock())
+        return self._core.interval
+
     def _run(self) -> None:
         failure: BaseException | None = None
         with self._cond:
             while self._core.accepting:
-                due = self._core.keepalive_due_at()
-                if due is None:
-                    self._cond.wait()
-                    continue
-                now = self._clock()
-                if now < due:
-                    self._cond.wait(due - now)
-                    continue
                 try:
-                    with self._send_lock:
-                        self._send_keepalive()
-                except BaseException as e:  # noqa: BLE001 - reported, then the thread ends
-                    self._core.fail(e)
+                    wait = self._tick_locked()
+                except BaseException as e:  # noqa: BLE001
                     failure = e
                     break
-                self.keepalives_sent += 1
-                self._core.note_broadcast(self._clock())
+                if self._core.accepting:
+                    self._cond.wait(wait)
         if failure is not None:
             # Outside the lock: the callback may call back into the executor.
             logger.error("keepalive broadcast failed; the pacer stops: %s", failure)

@@ -15,7 +15,9 @@ from pathlib import Path
 
 __all__ = ["build_tiny_model", "DEFAULT_DIR"]
 
-DEFAULT_DIR = Path(os.environ.get("KEEPALIVE_TINY_MODEL_DIR", "~/.cache/keepalive-executor/tiny-llama")).expanduser()
+DEFAULT_DIR = Path(
+    os.environ.get("KEEPALIVE_TINY_MODEL_DIR", "~/.cache/keepalive-executor/tiny-llama")
+).expanduser()
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -1,0 +1,66 @@
+"""Shared fixtures: spawning rank processes for channel scenarios."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import sys
+import tempfile
+import time
+import uuid
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def run_ranks(scenario: str, world: int, *, timeout_s: float, wall_s: float, **kw) -> dict:
+    """Run ``dist_scenarios.<scenario>`` on ``world`` spawned ranks; return {rank: result}.
+
+    Every child is reaped (killed if needed) before this returns: no orphans.
+    """
+    import dist_scenarios
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    store = os.path.join(tempfile.gettempdir(), f"ka_test_{uuid.uuid4().hex}")
+    procs = [
+        ctx.Process(target=dist_scenarios.entry,
+                    args=(scenario, r, world, q, store, timeout_s, kw), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    deadline = time.monotonic() + wall_s
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, res = q.get(timeout=0.5)
+                results[rank] = res
+            except queue_mod.Empty:
+                if all(not p.is_alive() for p in procs) and q.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if os.path.exists(store):
+            os.unlink(store)
+    return results
+
+
+@pytest.fixture
+def ranks():
+    return run_ranks
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """The tiny local Llama (built once per session; no hub)."""
+    from keepalive_executor.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama"))

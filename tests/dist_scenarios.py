@@ -1,0 +1,156 @@
+"""Scenarios run in real processes on a real gloo group over loopback (spawned by tests).
+
+Each scenario is ``fn(rank, world, result_queue, **kw)``; it puts one ``(rank, dict)`` on the
+queue. Helpers here are imported by spawned children, so keep them import-light.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+
+def init_group(rank: int, world: int, store_path: str, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def entry(scenario: str, rank: int, world: int, queue: Any, store_path: str,
+          timeout_s: float, kw: dict) -> None:
+    try:
+        init_group(rank, world, store_path, timeout_s)
+        result = globals()[scenario](rank, world, **kw)
+    except BaseException as e:  # noqa: BLE001 - the test inspects it
+        result = {"error": f"{type(e).__name__}: {e}", "error_type": type(e).__name__,
+                  "traceback": traceback.format_exc()}
+    result["t_end"] = time.monotonic()
+    queue.put((rank, result))
+    queue.close()
+    queue.join_thread()  # flush before the hard exit below
+    os._exit(0)
+
+
+def _receive_all(channel) -> dict:
+    from keepalive_executor.channel import ChannelError, MessageKind
+
+    log: list[tuple[int, Any]] = []
+    keepalives = 0
+    try:
+        while True:
+            msg = channel.recv()
+            if msg.kind is MessageKind.KEEPALIVE:
+                keepalives += 1
+            elif msg.kind is MessageKind.SHUTDOWN:
+                return {"log": log, "keepalives": keepalives, "shutdown_seq": msg.seq}
+            else:
+                log.append((msg.seq, msg.payload))
+    except ChannelError as e:
+        return {"log": log, "keepalives": keepalives, "error": str(e),
+                "error_type": type(e).__name__, "t_error": time.monotonic()}
+
+
+def idle_survival(rank: int, world: int, idle_s: float, interval_s: float | None) -> dict:
+    """Driver: one message, ``idle_s`` of silence (paced or not), one message, shutdown."""
+    from keepalive_executor.channel import BroadcastChannel
+    from keepalive_executor.pacer import Pacer
+
+    channel = BroadcastChannel(None, src=0, inline_bytes=256)
+    if rank != 0:
+        return _receive_all(channel)
+    pacer = None
+    if interval_s is not None:
+        pacer = Pacer(interval_s, channel.send_keepalive, send_lock=channel.send_lock)
+        pacer.start()
+    out: dict = {}
+    try:
+        channel.send("before")
+        time.sleep(idle_s)
+        channel.send("after")
+        if pacer is not None:
+            pacer.stop()
+            out["keepalives_sent"] = pacer.keepalives_sent
+        channel.send_shutdown()
+    except Exception as e:  # noqa: BLE001
+        out.update(error=str(e), error_type=type(e).__name__)
+    if pacer is not None:
+        pacer.stop()
+    return out
+
+
+def concurrent_senders(rank: int, world: int, threads: int, per_thread: int) -> dict:
+    """Driver: several threads send while a fast pacer runs; everyone logs by sequence."""
+    from keepalive_executor.channel import BroadcastChannel
+    from keepalive_executor.pacer import Pacer
+
+    channel = BroadcastChannel(None, src=0, inline_bytes=64)
+    if rank != 0:
+        return _receive_all(channel)
+    pacer = Pacer(0.005, channel.send_keepalive, send_lock=channel.send_lock)
+    pacer.start()
+    sent: list[tuple[int, Any]] = []
+    lock = threading.Lock()
+
+    def sender(t: int) -> None:
+        for i in range(per_thread):
+            # alternate small (inline) and large (two-collective) payloads
+            payload = (t, i, b"x" * (200 if i % 3 == 0 else 8))
+            seq = channel.send(payload)
+            with lock:
+                sent.append((seq, payload))
+
+    ts = [threading.Thread(target=sender, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    pacer.stop()
+    seq = channel.send_shutdown()
+    return {"sent": sorted(sent), "keepalives_sent": pacer.keepalives_sent, "shutdown_seq": seq}
+
+
+def driver_dies(rank: int, world: int, after_s: float) -> dict:
+    """Driver exits abruptly while receivers wait in the broadcast."""
+    from keepalive_executor.channel import BroadcastChannel
+
+    channel = BroadcastChannel(None, src=0)
+    if rank != 0:
+        return _receive_all(channel)
+    channel.send("hello")
+    time.sleep(after_s)
+    os._exit(17)
+
+
+def receiver_dies(rank: int, world: int, victim: int) -> dict:
+    """One receiver exits abruptly; the driver keeps sending until it notices."""
+    from keepalive_executor.channel import BroadcastChannel, ChannelError
+
+    channel = BroadcastChannel(None, src=0)
+    if rank == victim:
+        channel.recv()
+        os._exit(9)
+    if rank != 0:
+        return _receive_all(channel)
+    channel.send("first")
+    t_victim_gone = time.monotonic()
+    sends = 0
+    try:
+        while time.monotonic() - t_victim_gone < 60:
+            channel.send(b"y" * 10)
+            sends += 1
+            time.sleep(0.01)
+        return {"error": None, "sends": sends}
+    except ChannelError as e:
+        return {"error": str(e), "error_type": type(e).__name__, "sends": sends,
+                "t_error": time.monotonic(), "t_victim_gone": t_victim_gone}

@@ -1,0 +1,138 @@
+"""Engine-level scenarios, each run as its own process by the tests (vLLM spawns children,
+binds threads and owns global state, so every engine gets a fresh interpreter).
+
+``python engine_scripts.py NAME JSON_KWARGS`` prints one line ``RESULT <json>`` at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "A driver broadcasts the work;",
+    "One, two, three,",
+]
+
+
+def engine_kwargs(model: str, tp: int, backend: str | None, **extra: Any) -> dict:
+    kw = dict(
+        model=model,
+        tensor_parallel_size=tp,
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=8,
+        gpu_memory_utilization=0.2,
+        seed=0,
+    )
+    if backend is not None:
+        kw["distributed_executor_backend"] = backend
+    kw.update(extra)
+    return kw
+
+
+def set_binding(tp: int) -> None:
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "0"
+
+
+def whoami(worker: Any) -> tuple[int, int]:
+    """collective_rpc callable: (rank, pid) of the process it runs in."""
+    return (worker.rank, os.getpid())
+
+
+def fail_on_rank_1(worker: Any) -> int:
+    """collective_rpc callable that raises on rank 1 only."""
+    if worker.rank == 1:
+        raise ValueError("injected failure on rank one")
+    return worker.rank
+
+
+def llm_generate(model: str, tp: int, backend: str | None, max_tokens: int = 24,
+                 extras: bool = False, shard_dir: str | None = None) -> dict:
+    """Greedy outputs of LLM; with ``extras`` also exercise collective_rpc end to end."""
+    set_binding(tp)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(model, tp, backend))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    result: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    if extras:
+        result["whoami"] = llm.collective_rpc(whoami)
+        result["main_pid"] = os.getpid()
+        try:
+            llm.collective_rpc(fail_on_rank_1)
+            result["rank1_error"] = None
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            result["rank1_error"] = f"{type(e).__name__}: {e}"
+        # still usable after a failed rpc: same greedy answers again
+        again = llm.generate(PROMPTS, params, use_tqdm=False)
+        result["tokens_after_error"] = [list(o.outputs[0].token_ids) for o in again]
+        if shard_dir is not None:
+            llm.llm_engine.engine_core.save_sharded_state(path=shard_dir)
+            result["shards"] = sorted(os.listdir(shard_dir))
+    return result
+
+
+async def _stream(engine: Any, prompt: str, rid: str, max_tokens: int,
+                  abort_after: int | None = None) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    tokens: list[int] = []
+    chunks = 0
+    async for out in engine.generate(prompt, params, request_id=rid):
+        chunks += 1
+        tokens = list(out.outputs[0].token_ids)
+        if abort_after is not None and chunks >= abort_after:
+            await engine.abort(rid)
+            break
+    return {"tokens": tokens, "chunks": chunks}
+
+
+def async_engine(model: str, idle_s: float, timeout_s: int) -> dict:
+    """AsyncLLMEngine: concurrent streams, an abort, an idle past the timeout, more, shutdown."""
+    set_binding(2)
+    import psutil
+    from vllm import AsyncEngineArgs, AsyncLLMEngine
+
+    args = AsyncEngineArgs(**engine_kwargs(model, 2, "keepalive",
+                                           distributed_timeout_seconds=timeout_s))
+    engine = AsyncLLMEngine.from_engine_args(args)
+    me = psutil.Process()
+    result: dict[str, Any] = {"children_running": len(me.children(recursive=True))}
+
+    async def run() -> None:
+        first = await asyncio.gather(
+            *[_stream(engine, p, f"a{i}", 16) for i, p in enumerate(PROMPTS)],
+            _stream(engine, PROMPTS[0], "abort-me", 200, abort_after=3),
+        )
+        result["first"] = [r["tokens"] for r in first[:-1]]
+        result["aborted_chunks"] = first[-1]["chunks"]
+        t0 = time.monotonic()
+        await asyncio.sleep(idle_s)
+        result["idle_s"] = time.monotonic() - t0
+        second = await asyncio.gather(
+            *[_stream(engine, p, f"b{i}", 16) for i, p in enumerate(PROMPTS)]
+        )
+        result["second"] = [r["tokens"] for r in second]
+
+    asyncio.run(run())
+    engine.shutdown()
+    deadline = time.monotonic() + 30
+    while me.children(recursive=True) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    result["children_left"] = [c.pid for c in me.children(recursive=True)]
+    return result
+
+
+if __name__ == "__main__":
+    name, kwargs = sys.argv[1], json.loads(sys.argv[2])
+    out = globals()[name](**kwargs)
+    print("RESULT " + json.dumps(out), flush=True)

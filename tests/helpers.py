@@ -1,0 +1,152 @@
+"""Helpers for engine-level tests: the tiny model, running scripts, serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+BASE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    # vLLM itself refuses to ship a collective_rpc callable to its engine process otherwise
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+}
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(BASE_ENV)
+    e.update(extra)
+    return e
+
+
+def run_script(name: str, timeout: float = 600, extra_env: dict | None = None,
+               **kwargs) -> dict:
+    """Run engine_scripts.NAME in a fresh interpreter; return its RESULT or fail with its log."""
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_scripts.py"), name, json.dumps(kwargs)],
+        env=env(**(extra_env or {})), capture_output=True, text=True, timeout=timeout,
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise AssertionError(
+        f"{name} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`vllm serve` of the tiny model in its own process group, logs to a file."""
+
+    def __init__(self, model: str, log_path: Path, *, tp: int = 2, backend: str = "keepalive",
+                 extra_args: list[str] | None = None, extra_env: dict | None = None):
+        self.port = free_port()
+        self.log_path = log_path
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "-tp", str(tp), "--enforce-eager", "--max-model-len", "256",
+            "--max-num-seqs", "8", "--gpu-memory-utilization", "0.2",
+            "--served-model-name", "tiny", "--seed", "0",
+        ]
+        if tp > 1:
+            args += ["--distributed-executor-backend", backend]
+        args += extra_args or []
+        e = env(**(extra_env or {}))
+        if tp == 1:
+            e["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(args, env=e, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log()[-6000:]}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"server not ready after {timeout}s:\n{self.log()[-6000:]}")
+
+    def health(self) -> int | None:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return None
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="x", max_retries=0,
+                             timeout=60)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
+        """Signal the server; wait; kill the whole session if it lingers. Returns exit code."""
+        tree = self.tree()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        code = self.proc.poll()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        psutil.wait_procs(tree, timeout=10)
+        self._log.close()
+        return code
+
+
+def alive(procs: list[psutil.Process]) -> list[int]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out

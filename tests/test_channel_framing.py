@@ -1,0 +1,135 @@
+"""Framing: pure encode/decode round trips and every way a frame can be wrong."""
+
+import pickle
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from keepalive_executor.channel import (
+    DEFAULT_INLINE_BYTES,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    ChannelProtocolError,
+    ChannelSerializationError,
+    FrameHeader,
+    MessageKind,
+    SequenceChecker,
+    decode_header,
+    deserialize,
+    encode_header,
+    serialize,
+)
+
+LIMIT = 1 << 30
+
+headers = st.builds(
+    FrameHeader,
+    kind=st.just(MessageKind.PAYLOAD),
+    seq=st.integers(min_value=1, max_value=2**64 - 1),
+    length=st.integers(min_value=0, max_value=LIMIT),
+) | st.builds(
+    FrameHeader,
+    kind=st.sampled_from([MessageKind.KEEPALIVE, MessageKind.SHUTDOWN]),
+    seq=st.integers(min_value=1, max_value=2**64 - 1),
+    length=st.just(0),
+)
+
+
+@given(headers)
+def test_header_round_trip(header):
+    raw = encode_header(header)
+    assert len(raw) == HEADER_SIZE
+    assert decode_header(raw, LIMIT) == header
+
+
+@given(headers, st.data())
+def test_any_single_byte_corruption_of_the_header_is_detected(header, data):
+    raw = bytearray(encode_header(header))
+    pos = data.draw(st.integers(min_value=0, max_value=27), label="byte")
+    flip = data.draw(st.integers(min_value=1, max_value=255), label="xor")
+    raw[pos] ^= flip
+    with pytest.raises(ChannelProtocolError):
+        decode_header(bytes(raw), LIMIT)
+
+
+@given(st.integers(min_value=0, max_value=HEADER_SIZE - 1))
+def test_truncated_frame_is_rejected(n):
+    raw = encode_header(FrameHeader(MessageKind.PAYLOAD, 1, 3))[:n]
+    with pytest.raises(ChannelProtocolError, match="truncated"):
+        decode_header(raw, LIMIT)
+
+
+def _forge(version=FORMAT_VERSION, kind=1, seq=1, length=0, magic=b"KAch"):
+    import zlib
+
+    head = struct.pack("<4sHHQQ", magic, version, kind, seq, length)
+    return head + struct.pack("<II", zlib.crc32(head), 0)
+
+
+def test_wrong_version_names_both_versions():
+    with pytest.raises(ChannelProtocolError, match="version 9.*speaks 1"):
+        decode_header(_forge(version=9), LIMIT)
+
+
+def test_unknown_kind_and_bad_magic():
+    with pytest.raises(ChannelProtocolError, match="unknown message kind 7"):
+        decode_header(_forge(kind=7), LIMIT)
+    with pytest.raises(ChannelProtocolError, match="magic"):
+        decode_header(_forge(magic=b"XXXX"), LIMIT)
+
+
+def test_length_above_limit_and_keepalive_with_payload():
+    with pytest.raises(ChannelProtocolError, match="above the limit"):
+        decode_header(_forge(length=101), 100)
+    with pytest.raises(ChannelProtocolError, match="KEEPALIVE frame with a 5-byte"):
+        decode_header(_forge(kind=2, length=5), LIMIT)
+
+
+@given(st.lists(st.integers(min_value=1, max_value=50), min_size=1, max_size=30))
+def test_sequence_checker_accepts_only_consecutive(seqs):
+    checker = SequenceChecker()
+    expected = 1
+    for s in seqs:
+        if s == expected:
+            checker.check(s)
+            expected += 1
+        else:
+            with pytest.raises(ChannelProtocolError, match="repeated|gap"):
+                checker.check(s)
+            # a failed check does not advance the checker
+            assert checker.last_seq == expected - 1
+
+
+payloads = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
+    | st.binary(),
+    lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner) | st.tuples(inner, inner),
+    max_leaves=20,
+)
+
+
+@given(payloads)
+def test_serialize_round_trip(obj):
+    assert deserialize(serialize(obj)) == obj
+
+
+def test_callables_fall_back_to_cloudpickle_and_load_with_plain_pickle():
+    offset = 41
+    fn = lambda x: x + offset  # noqa: E731 - a lambda is the point
+    data = serialize(fn)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        pickle.dumps(fn)
+    assert pickle.loads(data)(1) == 42
+
+
+def test_unpicklable_object_raises_serialization_error():
+    import threading
+
+    with pytest.raises(ChannelSerializationError, match="cannot serialize"):
+        serialize(threading.Lock())
+
+
+def test_default_inline_capacity_is_positive():
+    assert DEFAULT_INLINE_BYTES > 0

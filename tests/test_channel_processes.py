@@ -1,0 +1,70 @@
+"""The channel and pacer with real processes on a real gloo group (3 ranks, loopback)."""
+
+import pytest
+
+TIMEOUT_S = 2.0
+IDLE_S = 10.0  # five times the collective timeout
+
+
+def test_receivers_survive_idle_of_5x_timeout_with_pacer(ranks):
+    res = ranks("idle_survival", 3, timeout_s=TIMEOUT_S, wall_s=90, idle_s=IDLE_S,
+                interval_s=TIMEOUT_S / 4)
+    assert set(res) == {0, 1, 2}
+    assert "error" not in res[0], res[0]
+    for r in (1, 2):
+        assert "error" not in res[r], res[r]
+        assert [p for _, p in res[r]["log"]] == ["before", "after"]
+        # ~IDLE_S / interval keepalives were needed; every one reached every rank
+        assert res[r]["keepalives"] == res[0]["keepalives_sent"] >= IDLE_S / TIMEOUT_S
+
+
+def test_negative_control_without_pacer_receivers_time_out(ranks):
+    res = ranks("idle_survival", 3, timeout_s=TIMEOUT_S, wall_s=90, idle_s=IDLE_S,
+                interval_s=None)
+    for r in (1, 2):
+        assert res[r]["log"] == [(1, "before")]
+        assert res[r]["error_type"] == "ChannelTransportError"
+        assert "timed out" in res[r]["error"].lower() or "timeout" in res[r]["error"].lower()
+    # and the driver cannot deliver the next real message
+    assert "error" in res[0]
+
+
+def test_concurrent_senders_identical_sequences_no_interleaving(ranks):
+    threads, per_thread = 4, 40
+    res = ranks("concurrent_senders", 3, timeout_s=30, wall_s=120, threads=threads,
+                per_thread=per_thread)
+    sent = [(s, tuple(p)) for s, p in res[0]["sent"]]
+    assert len(sent) == threads * per_thread
+    for r in (1, 2):
+        assert "error" not in res[r], res[r]
+        got = [(s, tuple(p)) for s, p in res[r]["log"]]
+        # same messages, same order, same sequence numbers as the driver assigned
+        assert got == sent
+        assert res[r]["keepalives"] == res[0]["keepalives_sent"]
+        # every sequence number is a work frame, a keepalive, or the final shutdown
+        assert res[r]["shutdown_seq"] == len(sent) + res[0]["keepalives_sent"] + 1
+
+
+# Bound on noticing a dead peer. gloo sees the closed sockets at once (well under 1 s here);
+# the bound allows for a loaded machine, and stays below what a hang to the timeout would be.
+DEATH_BOUND_S = 10.0
+
+
+def test_driver_death_ends_receivers_wait_within_bound(ranks):
+    res = ranks("driver_dies", 3, timeout_s=60, wall_s=90, after_s=1.0)
+    for r in (1, 2):
+        assert res[r]["log"] == [(1, "hello")]
+        assert res[r]["error_type"] == "ChannelTransportError"
+    # rank 0 never reports (it died); compare receivers' error time with each other's end
+    # using the driver's known sleep: receivers started waiting at most ~1 s before it died
+    t_errors = [res[r]["t_error"] for r in (1, 2)]
+    assert max(t_errors) - min(t_errors) < DEATH_BOUND_S
+
+
+@pytest.mark.parametrize("world", [3])
+def test_receiver_death_is_reported_to_the_driver_within_bound(ranks, world):
+    res = ranks("receiver_dies", world, timeout_s=5, wall_s=120, victim=2)
+    assert res[0]["error"], "driver kept sending to a dead rank for 60 s without an error"
+    assert res[0]["error_type"] == "ChannelTransportError"
+    assert res[0]["t_error"] - res[0]["t_victim_gone"] < DEATH_BOUND_S
+    assert res[1]["error_type"] == "ChannelTransportError"

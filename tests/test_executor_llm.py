@@ -1,0 +1,43 @@
+"""KeepaliveExecutor under vLLM's offline LLM: same greedy tokens as mp and TP=1,
+collective_rpc with callables, an error on rank 1 only, and a per-rank RPC end to end."""
+
+import pytest
+from helpers import run_script
+
+
+@pytest.fixture(scope="module")
+def keepalive_run(tiny_model, tmp_path_factory):
+    shards = tmp_path_factory.mktemp("shards")
+    return run_script("llm_generate", model=tiny_model, tp=2, backend="keepalive",
+                      extras=True, shard_dir=str(shards))
+
+
+def test_greedy_outputs_equal_mp_and_tp1(tiny_model, keepalive_run):
+    mp = run_script("llm_generate", model=tiny_model, tp=2, backend="mp")
+    tp1 = run_script("llm_generate", model=tiny_model, tp=1, backend=None)
+    # Same TP layout, same arithmetic: every token identical to mp.
+    assert keepalive_run["tokens"] == mp["tokens"]
+    assert all(len(t) == 24 for t in keepalive_run["tokens"])
+    # TP=1 sums the same products in another order, so on a random model whose top logits
+    # are close, greedy paths can part after a while (mp at TP=2 parts from TP=1 at token
+    # 9 of one prompt on this machine). The first 8 tokens of every prompt agree.
+    assert [t[:8] for t in keepalive_run["tokens"]] == [t[:8] for t in tp1["tokens"]]
+
+
+def test_collective_rpc_callable_runs_on_every_rank_in_order(keepalive_run):
+    ranks = [r for r, _ in keepalive_run["whoami"]]
+    pids = [p for _, p in keepalive_run["whoami"]]
+    assert ranks == [0, 1]
+    # rank 0 is in the engine process, rank 1 in a worker process of its own
+    assert len(set(pids)) == 2 and keepalive_run["main_pid"] not in pids
+
+
+def test_error_on_rank_1_names_rank_1_and_executor_stays_usable(keepalive_run):
+    err = keepalive_run["rank1_error"]
+    assert err is not None and "rank 1" in err and "injected failure on rank one" in err
+    assert keepalive_run["tokens_after_error"] == keepalive_run["tokens"]
+
+
+def test_save_sharded_state_writes_one_shard_per_rank(keepalive_run):
+    shards = keepalive_run["shards"]
+    assert any("rank-0" in s for s in shards) and any("rank-1" in s for s in shards), shards

@@ -1,0 +1,197 @@
+"""The pacer's idle/busy state machine, driven by hypothesis with a fake clock.
+
+The model (this file) tracks which steps are in flight and every broadcast with its time;
+the pacer under test is the real :class:`Pacer`, whose thread body (``tick``) the machine
+calls wherever the real thread would wake: at every due time while time advances, and after
+every notification (a step finishing). No threads, no sleeps.
+"""
+
+import threading
+import time
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from keepalive_executor.pacer import Pacer, PacerCore, PacerError, PacerState
+
+INTERVAL = 1.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class PacerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.in_flight: set[int] = set()
+        self.next_step = 0
+        self.broadcasts: list[tuple[float, str]] = [(self.clock.now, "start")]
+        self.violations: list[str] = []
+        self.stopped = False
+        self.sent_after_stop = 0
+        self.pacer = Pacer(INTERVAL, self._send_keepalive, clock=self.clock)
+
+    # the "channel": records keepalives and checks guarantee 1 at the moment of sending
+    def _send_keepalive(self) -> None:
+        if self.in_flight:
+            self.violations.append(f"keepalive at {self.clock.now} with steps {self.in_flight}")
+        if self.stopped:
+            self.sent_after_stop += 1
+        last = self.broadcasts[-1][0]
+        if self.clock.now - last < INTERVAL - 1e-9:
+            self.violations.append(f"premature keepalive {self.clock.now - last:.3f}s after last")
+        self.broadcasts.append((self.clock.now, "keepalive"))
+
+    def _wake(self) -> None:
+        """The thread wakes on a notification and makes its decision at once."""
+        self.pacer.tick()
+
+    @rule()
+    @precondition(lambda self: not self.stopped)
+    def begin_step(self) -> None:
+        self.pacer.begin_step()
+        step = self.next_step
+        self.next_step += 1
+        self.in_flight.add(step)
+        # the step's own work broadcast follows begin_step
+        self.broadcasts.append((self.clock.now, f"work {step}"))
+        self.pacer.note_broadcast()
+
+    @rule(data=st.data())
+    @precondition(lambda self: bool(self.in_flight))
+    def finish_step(self, data) -> None:
+        step = data.draw(st.sampled_from(sorted(self.in_flight)))
+        self.in_flight.discard(step)
+        self.pacer.finish_step()
+        self._wake()
+
+    @rule(dt=st.floats(min_value=0.0, max_value=3.5 * INTERVAL))
+    def advance(self, dt: float) -> None:
+        target = self.clock.now + dt
+        while True:
+            wait = self.pacer.tick()
+            if wait is None or self.clock.now + wait > target:
+                break
+            self.clock.now += wait
+        self.clock.now = target
+        self.pacer.tick()
+
+    @rule()
+    def stop(self) -> None:
+        self.pacer.stop()
+        self.stopped = True
+        self._wake()
+
+    @rule()
+    @precondition(lambda self: self.stopped)
+    def begin_after_stop_is_refused(self) -> None:
+        with pytest.raises(PacerError):
+            self.pacer.begin_step()
+
+    @rule()
+    @precondition(lambda self: not self.in_flight)
+    def finish_without_begin_is_refused(self) -> None:
+        with pytest.raises(PacerError):
+            self.pacer.finish_step()
+
+    @invariant()
+    def never_a_keepalive_during_a_step_nor_a_premature_one(self) -> None:
+        assert not self.violations, self.violations
+
+    @invariant()
+    def idle_gap_never_exceeds_the_interval(self) -> None:
+        if not self.stopped and not self.in_flight:
+            assert self.clock.now - self.broadcasts[-1][0] < INTERVAL + 1e-9
+
+    @invariant()
+    def nothing_after_stop(self) -> None:
+        assert self.sent_after_stop == 0
+
+    @invariant()
+    def state_names_match_the_model(self) -> None:
+        if self.stopped:
+            assert self.pacer.state is PacerState.STOPPED
+        elif self.in_flight:
+            assert self.pacer.state is PacerState.BUSY
+        else:
+            assert self.pacer.state is PacerState.IDLE
+
+
+PacerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+TestPacerMachine = PacerMachine.TestCase
+
+
+def test_core_decision_examples():
+    core = PacerCore(2.0, now=0.0)
+    assert not core.should_send(1.9) and core.should_send(2.0)
+    core.begin_step()
+    assert not core.should_send(100.0) and core.keepalive_due_at() is None
+    core.finish_step()
+    assert core.should_send(100.0)
+    core.note_broadcast(100.0)
+    assert not core.should_send(101.0)
+    with pytest.raises(ValueError):
+        PacerCore(0.0, now=0.0)
+
+
+def test_thread_sends_while_idle_never_while_busy_and_nothing_after_stop():
+    """The real thread on the real clock. Only ordering is asserted, never a duration."""
+    sent: list[float] = []
+    busy = threading.Event()
+    errors: list[str] = []
+
+    def send() -> None:
+        if busy.is_set():
+            errors.append("keepalive while busy")
+        sent.append(time.monotonic())
+
+    pacer = Pacer(0.02, send)
+    pacer.start()
+    deadline = time.monotonic() + 30
+    while len(sent) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(sent) >= 5, "the idle pacer sent no keepalives"
+    pacer.begin_step()
+    busy.set()
+    count = len(sent)
+    time.sleep(0.2)  # ten intervals busy: the count must not move
+    assert len(sent) == count
+    busy.clear()
+    pacer.finish_step()
+    while len(sent) == count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(sent) > count, "no keepalive after the step finished"
+    pacer.stop()
+    assert pacer.state is PacerState.STOPPED
+    count = len(sent)
+    time.sleep(0.1)
+    assert len(sent) == count and not errors
+
+
+def test_thread_failure_is_reported_once_and_pacer_fails():
+    reported: list[BaseException] = []
+    done = threading.Event()
+
+    def send() -> None:
+        raise RuntimeError("peer gone")
+
+    def on_failure(e: BaseException) -> None:
+        reported.append(e)
+        done.set()
+
+    pacer = Pacer(0.01, send, on_failure=on_failure)
+    pacer.start()
+    assert done.wait(30)
+    assert pacer.state is PacerState.FAILED and "peer gone" in str(reported[0])
+    with pytest.raises(PacerError):
+        pacer.begin_step()
+    pacer.stop()
+    assert len(reported) == 1 and pacer.state is PacerState.FAILED
