@@ -1,8 +1,9 @@
 """Benchmark: dispatch latency and idle CPU of BroadcastChannel vs. its two reference points.
 
 Run it with ``python benchmarks/bench_channel.py`` (``--quick`` for a fast smoke run,
-``--help`` for the knobs). It is a benchmark, not a test: it asserts only that every message
-arrived whole, and prints figures.
+``--help`` for the knobs, ``--json PATH`` for the raw figures and samples). It is a benchmark,
+not a test: it checks only that every message arrived with the right length, and prints
+figures.
 
 What is measured, and why
 =========================
@@ -34,7 +35,10 @@ one clock: rank 0 takes ``t0``, sends message *i*, then joins an ``all_reduce`` 
 *separate* gloo group (``dist.new_group``) made only for acks; each receiver, as soon as it has
 the message, joins that all_reduce contributing the number of bytes it received (rank 0 checks
 the sum). Rank 0 takes ``t1`` when the all_reduce returns. Reported: median and p99 (nearest
-rank) of ``t1 - t0`` in microseconds, after warm-up messages that are not timed. The ack is the
+rank) of ``t1 - t0`` in microseconds, after warm-up messages that are not timed. The timed
+messages of each (transport, size) are split over ``--rounds`` rounds (default 3), and every
+round runs all sizes and all transports in turn (transport order rotated per round), so a
+burst of outside load or a slow drift lands on all transports alike. The ack is the
 same for all three transports, so it cancels in a comparison of differences but *compresses
 ratios towards 1*; the ack-only round trip (the all_reduce alone, nothing sent) is printed too,
 and "RTT - ack" columns give a rough one-way estimate (rough: the ack of a ping overlaps
@@ -49,6 +53,11 @@ phase. Figures are percent of one core per receiver (mean over receivers, and ea
 and the total over receivers. Each idle window starts right after the receivers got (and
 acked) one tiny message, i.e. the state of a worker right after the last step of a burst. The
 gloo group timeout is well above the idle window, so no keepalive is needed or sent.
+
+The machine may be shared: before each world size the benchmark waits (``--wait-quiet``, up
+to 60 s) for other processes to go quiet, and it reports how much CPU other processes used
+while each world size ran (machine-wide busy time minus the benchmark's own), so a
+contaminated run is visible as such.
 
 Processes are started with the ``spawn`` context; gloo is initialised with a ``file://`` store
 and ``GLOO_SOCKET_IFNAME=lo``, so everything stays on loopback. On a machine with fewer cores
@@ -67,9 +76,11 @@ import multiprocessing.connection
 import os
 import platform
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -429,8 +440,33 @@ def share(total: int, rounds: int, r: int) -> int:
     return total // rounds + (1 if r < total % rounds else 0)
 
 
+def _die_with_parent() -> None:
+    """Make sure a rank never outlives the benchmark (a reader blocked in
+    ``dequeue(indefinite=True)`` would otherwise wait forever if the parent were killed)."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) == 0:
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os._exit(1)
+            return
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(2.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def rank_main(rank: int, world: int, cfg: Config, init_file: str, result_path: str) -> None:
     """Entry point of one spawned rank."""
+    _die_with_parent()
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import torch.distributed as dist
@@ -781,6 +817,8 @@ def main(argv: list[str] | None = None) -> int:
     if group_timeout <= a.idle_seconds + 10:
         p.error("--group-timeout must be well above --idle-seconds (no keepalive is sent)")
 
+    # SIGTERM -> SystemExit, so that run_world's cleanup (kill + reap the ranks) runs.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # inherited by the spawned ranks
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import vllm.envs as vllm_envs

@@ -44,7 +44,7 @@ from keepalive_executor.worker_loop import make_channel
 
 __all__ = ["KeepaliveExecutor", "ExecutorFailedError"]
 
-logger = logging.getLogger("keepalive_executor")
+logger = logging.getLogger("vllm." + __name__)
 
 #: Test-only: start without the pacer so tests can show that idle receivers then die.
 #: Deliberately not a documented option; it logs a warning whenever it is honoured.
@@ -226,6 +226,7 @@ class KeepaliveExecutor(Executor):
             callback()
 
     def _on_worker_death(self, worker: WorkerHandle) -> None:
+        worker.proc.join(1.0)  # the sentinel fires before the exit code is collected
         self._fail(
             f"worker rank {worker.rank} (pid {worker.proc.pid}) died unexpectedly "
             f"(exit code {worker.proc.exitcode})"

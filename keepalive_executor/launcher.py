@@ -27,7 +27,8 @@ from typing import Any
 
 __all__ = ["WorkerHandle", "spawn_worker", "wait_for_ready", "WorkerMonitor", "stop_workers"]
 
-logger = logging.getLogger(__name__)
+# Under the "vllm." namespace so that vLLM's logging configuration (format, level) applies.
+logger = logging.getLogger("vllm." + __name__)
 
 
 class WorkerStartupError(RuntimeError):

@@ -51,7 +51,8 @@ from collections.abc import Callable
 
 __all__ = ["PacerState", "PacerCore", "Pacer", "PacerError"]
 
-logger = logging.getLogger(__name__)
+# Under the "vllm." namespace so that vLLM's logging configuration (format, level) applies.
+logger = logging.getLogger("vllm." + __name__)
 
 Clock = Callable[[], float]
 

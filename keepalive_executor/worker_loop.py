@@ -29,7 +29,8 @@ from keepalive_executor.rpc import RpcReply, RpcRequest, gather_replies
 
 __all__ = ["receive_loop", "make_channel", "worker_main", "WorkerStepError"]
 
-logger = logging.getLogger(__name__)
+# Under the "vllm." namespace so that vLLM's logging configuration (format, level) applies.
+logger = logging.getLogger("vllm." + __name__)
 
 EXIT_SHUTDOWN = 0
 EXIT_FAILED = 1

@@ -126,10 +126,24 @@ def async_engine(model: str, idle_s: float, timeout_s: int) -> dict:
     asyncio.run(run())
     engine.shutdown()
     deadline = time.monotonic() + 30
-    while me.children(recursive=True) and time.monotonic() < deadline:
+    while _engine_children(me) and time.monotonic() < deadline:
         time.sleep(0.2)
-    result["children_left"] = [c.pid for c in me.children(recursive=True)]
+    result["children_left"] = _engine_children(me)
     return result
+
+
+def _engine_children(me: Any) -> list[str]:
+    """Descendants other than multiprocessing's resource tracker (it belongs to this
+    process and exits with it; the session check in helpers.run_script covers that)."""
+    out = []
+    for c in me.children(recursive=True):
+        try:
+            cmd = " ".join(c.cmdline())
+        except Exception:  # noqa: BLE001 - gone meanwhile
+            continue
+        if "resource_tracker" not in cmd:
+            out.append(f"{c.pid} {cmd[:120]}")
+    return out
 
 
 if __name__ == "__main__":

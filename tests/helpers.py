@@ -34,16 +34,46 @@ def env(**extra: str) -> dict[str, str]:
 def run_script(name: str, timeout: float = 600, extra_env: dict | None = None,
                **kwargs) -> dict:
     """Run engine_scripts.NAME in a fresh interpreter; return its RESULT or fail with its log."""
-    proc = subprocess.run(
+    popen = subprocess.Popen(
         [sys.executable, str(HERE / "engine_scripts.py"), name, json.dumps(kwargs)],
-        env=env(**(extra_env or {})), capture_output=True, text=True, timeout=timeout,
+        env=env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
     )
+    try:
+        stdout, stderr = popen.communicate(timeout=timeout)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, 9)
+            popen.wait()
+    proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
+    # No orphans: once the script has exited, nothing of its session may be left running.
+    leftovers = session_processes(popen.pid)
+    if leftovers:
+        for p in leftovers:
+            p.kill()
+        raise AssertionError(f"{name} left processes behind: {leftovers}")
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     raise AssertionError(
         f"{name} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     )
+
+
+def session_processes(sid: int, wait_s: float = 15.0) -> list[psutil.Process]:
+    """Processes still alive in session ``sid`` after up to ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+                pass
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 
 def free_port() -> int:
