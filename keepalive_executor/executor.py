@@ -14,11 +14,13 @@ collective failed or timed out; every later call raises at once naming the cause
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -51,6 +53,10 @@ logger = logging.getLogger("vllm." + __name__)
 _TEST_DISABLE_PACER_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER"
 STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_KEEPALIVE_STARTUP_TIMEOUT_S", "600"))
 SHUTDOWN_GRACE_S = 5.0
+EXIT_STUCK_STEP = 70
+#: After a rank fails, how long the engine thread may stay inside a step before the engine
+#: process is ended (see _watch_stuck_step).
+FAILURE_GRACE_S = float(os.environ.get("VLLM_KEEPALIVE_FAILURE_GRACE_S", "5"))
 
 
 class ExecutorFailedError(RuntimeError):
@@ -124,6 +130,7 @@ class KeepaliveExecutor(Executor):
         logger.info("%s", self.settings.describe())
         self.state = "running"
         self._sample_pending = False
+        self._inside: str | None = None  # name of the call the engine thread is inside
         self._failure: str | None = None
         self._failure_callback: FailureCallback | None = None
         self._rpc_lock = threading.RLock()
@@ -220,10 +227,48 @@ class KeepaliveExecutor(Executor):
             self._failure = reason
             callback, self._failure_callback = self._failure_callback, None
         logger.error("keepalive executor failed: %s", reason)
+        if self._inside is not None:
+            threading.Thread(
+                target=self._watch_stuck_step, args=(reason,), name="keepalive-stuck-step",
+                daemon=True,
+            ).start()
         if self._pacer is not None:
             threading.Thread(target=self._pacer.stop, name="keepalive-pacer-stop").start()
         if callback is not None:
             callback()
+
+    @contextlib.contextmanager
+    def _inside_call(self, name: str) -> Iterator[None]:
+        self._inside = name
+        try:
+            yield
+        finally:
+            self._inside = None
+
+    def _watch_stuck_step(self, reason: str) -> None:
+        """A rank failed while the engine thread may be inside a step whose collectives
+        wait for that rank (the CPU shm all-reduce and NCCL never time out on their own).
+        If the step has not returned after FAILURE_GRACE_S, end the engine process: its
+        parent (vLLM's front end) then fails every request, and the workers, whose death
+        pipes close, exit too. A hang forever is the only alternative."""
+        deadline = _now() + FAILURE_GRACE_S
+        while self._inside is not None and _now() < deadline:
+            time.sleep(0.05)
+        stuck = self._inside
+        if stuck is None:
+            return
+        logger.critical(
+            "keepalive executor: %s while rank 0 was inside %s; that step cannot complete "
+            "(its collectives wait for the failed rank). Ending the engine process (pid %d) "
+            "after %.1fs so that no request hangs.",
+            reason, stuck, os.getpid(), FAILURE_GRACE_S,
+        )
+        for handler in logging.getLogger("vllm").handlers:
+            handler.flush()
+        for w in self.workers:
+            if w.proc.is_alive():
+                w.proc.kill()
+        os._exit(EXIT_STUCK_STEP)
 
     def _on_worker_death(self, worker: WorkerHandle) -> None:
         worker.proc.join(1.0)  # the sentinel fires before the exit code is collected
@@ -300,7 +345,7 @@ class KeepaliveExecutor(Executor):
         self._check_usable()
         assert self._channel is not None and self._pacer is not None
         deadline = None if timeout is None else _now() + timeout
-        with self._rpc_lock:
+        with self._rpc_lock, self._inside_call(req.name):
             self._pacer.begin_step()
             try:
                 try:
@@ -421,7 +466,8 @@ class KeepaliveExecutor(Executor):
                     "sample_tokens got a grammar output after a step without structured "
                     "output requests; workers already sampled without it"
                 )
-            value = self.driver_worker.sample_tokens(None)
+            with self._inside_call("sample_tokens"):
+                value = self.driver_worker.sample_tokens(None)
         except BaseException as e:
             if non_block:
                 future: Future = Future()
@@ -501,6 +547,10 @@ class KeepaliveExecutor(Executor):
         if path and os.path.exists(path):
             os.unlink(path)
         self._finalizer.detach()
+        logger.info(
+            "keepalive executor shut down; worker exit codes %s",
+            {w.rank: w.proc.exitcode for w in self.workers},
+        )
 
     def _send_shutdown(self) -> None:
         assert self._channel is not None
@@ -518,6 +568,4 @@ class KeepaliveExecutor(Executor):
 
 
 def _now() -> float:
-    import time
-
     return time.monotonic()

@@ -142,7 +142,12 @@ def worker_main(
     _watch_parent(death_pipe, shutting_down)
 
     from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+    from vllm.utils.system_utils import decorate_logs, set_process_title
     from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    # "VLLM::KeepaliveWorker_TP1" in ps/top, and the same prefix on its log lines.
+    set_process_title(name=f"KeepaliveWorker_TP{rank}")
+    decorate_logs(f"KeepaliveWorker_TP{rank}")
 
     world_size = vllm_config.parallel_config.world_size
     code = EXIT_FAILED
