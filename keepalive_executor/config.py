@@ -32,10 +32,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from keepalive_executor.channel import DEFAULT_INLINE_BYTES, DEFAULT_MAX_PAYLOAD_BYTES
+
 __all__ = [
     "ENV_INTERVAL",
     "ENV_TRANSPORT",
     "ENV_INLINE_BYTES",
+    "ENV_MAX_PAYLOAD_BYTES",
     "ADDITIONAL_CONFIG_INTERVAL",
     "TRANSPORTS",
     "KeepaliveConfigError",
@@ -51,6 +54,7 @@ __all__ = [
 ENV_INTERVAL = "VLLM_KEEPALIVE_INTERVAL_S"
 ENV_TRANSPORT = "VLLM_KEEPALIVE_TRANSPORT"
 ENV_INLINE_BYTES = "VLLM_KEEPALIVE_INLINE_BYTES"
+ENV_MAX_PAYLOAD_BYTES = "VLLM_KEEPALIVE_MAX_PAYLOAD_BYTES"
 ADDITIONAL_CONFIG_INTERVAL = "keepalive_interval_s"
 TRANSPORTS = ("device", "cpu")
 
@@ -75,6 +79,7 @@ class KeepaliveSettings:
     interval_source: str
     timeout_source: str
     inline_bytes: int
+    max_payload_bytes: int
 
     def describe(self) -> str:
         """The one start-up log line."""
@@ -150,20 +155,17 @@ def _parse_transport(env: Mapping[str, str]) -> str:
     return value
 
 
-def _parse_inline(env: Mapping[str, str]) -> int:
-    from keepalive_executor.channel import DEFAULT_INLINE_BYTES
-
-    raw = env.get(ENV_INLINE_BYTES)
+def _parse_bytes(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
     if raw is None or raw == "":
-        return DEFAULT_INLINE_BYTES
+        return default
     try:
         value = int(raw)
     except ValueError:
         value = -1
     if value < 0:
         raise KeepaliveConfigError(
-            f"{ENV_INLINE_BYTES}={raw!r} must be a non-negative integer number of bytes "
-            f"(default {DEFAULT_INLINE_BYTES})"
+            f"{name}={raw!r} must be a non-negative integer number of bytes (default {default})"
         )
     return value
 
@@ -200,7 +202,8 @@ def settings_from_vllm_config(
         timeout_s=timeout,
         interval_source=source,
         timeout_source=timeout_source,
-        inline_bytes=_parse_inline(env),
+        inline_bytes=_parse_bytes(env, ENV_INLINE_BYTES, DEFAULT_INLINE_BYTES),
+        max_payload_bytes=_parse_bytes(env, ENV_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_BYTES),
     )
 
 

@@ -163,6 +163,7 @@ class KeepaliveExecutor(Executor):
             distributed_init_method=self._init_method,
             transport=self.settings.transport,
             inline_bytes=self.settings.inline_bytes,
+            max_payload_bytes=self.settings.max_payload_bytes,
             shared_worker_lock=lock,
         )
         for rank in range(1, self.world_size):
@@ -182,7 +183,7 @@ class KeepaliveExecutor(Executor):
         self._bind_driver_threads()
         self.driver_worker.init_device()  # joins the process groups with every worker
         self._channel, self._reply_group = make_channel(
-            self.settings.transport, self.settings.inline_bytes
+            self.settings.transport, self.settings.inline_bytes, self.settings.max_payload_bytes
         )
         wait_for_ready(self.workers, STARTUP_TIMEOUT_S)
 

@@ -89,7 +89,9 @@ def receive_loop(
             gather_replies(reply, reply_group, dst=src, world_size=world_size)
 
 
-def make_channel(transport: str, inline_bytes: int) -> tuple[BroadcastChannel, Any]:
+def make_channel(
+    transport: str, inline_bytes: int, max_payload_bytes: int
+) -> tuple[BroadcastChannel, Any]:
     """Build the channel on vLLM's world group; return it and the reply (CPU) group."""
     import torch
     from vllm.distributed.parallel_state import get_world_group
@@ -99,7 +101,10 @@ def make_channel(transport: str, inline_bytes: int) -> tuple[BroadcastChannel, A
         group, device = world.cpu_group, torch.device("cpu")
     else:
         group, device = world.device_group, world.device
-    channel = BroadcastChannel(group, src=world.ranks[0], device=device, inline_bytes=inline_bytes)
+    channel = BroadcastChannel(
+        group, src=world.ranks[0], device=device, inline_bytes=inline_bytes,
+        max_payload_bytes=max_payload_bytes,
+    )
     return channel, world.cpu_group
 
 
@@ -126,6 +131,7 @@ def worker_main(
     distributed_init_method: str,
     transport: str,
     inline_bytes: int,
+    max_payload_bytes: int,
     ready_pipe: Connection,
     death_pipe: Connection,
     shared_worker_lock: Any,
@@ -165,7 +171,7 @@ def worker_main(
         )
         wrapper.init_worker(all_kwargs)
         wrapper.init_device()
-        channel, reply_group = make_channel(transport, inline_bytes)
+        channel, reply_group = make_channel(transport, inline_bytes, max_payload_bytes)
         ready_pipe.send({"status": "READY", "rank": rank, "pid": os.getpid()})
         ready_pipe.close()
         receive_loop(wrapper, channel, reply_group, rank=rank, world_size=world_size)

@@ -146,6 +146,62 @@ def _engine_children(me: Any) -> list[str]:
     return out
 
 
+def echo_len(worker: Any, data: Any) -> int:
+    """collective_rpc callable: the size of what arrived."""
+    return len(data)
+
+
+def sleep_on_rank0(worker: Any, seconds: float) -> int:
+    """collective_rpc callable: rank 0 stalls inside the call, the others return at once."""
+    if worker.rank == 0:
+        time.sleep(seconds)
+    return worker.rank
+
+
+def runtime_bad_input(model: str) -> dict:
+    """Over-size and unpicklable collective_rpc arguments, then the executor still works.
+    Run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so arguments reach the executor as is."""
+    import threading
+
+    set_binding(2)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(model, 2, "keepalive"))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    before = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    result: dict[str, Any] = {}
+    for name, arg in [("oversize", b"x" * (2 << 20)), ("unpicklable", threading.Lock())]:
+        try:
+            llm.collective_rpc(echo_len, args=(arg,))
+            result[name] = None
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            result[name] = f"{type(e).__name__}: {e}"
+    result["small"] = llm.collective_rpc(echo_len, args=(b"y" * 1000,))
+    after = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    result["same_after"] = before == after
+    return result
+
+
+def step_stall(model: str, short_s: float, long_s: float, cpu_timeout_s: int) -> dict:
+    """A stall of rank 0 inside a call whose replies rank 1 waits for on the gloo CPU group:
+    shorter than that group's timeout it is harmless; longer, it must fail clearly."""
+    set_binding(2)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(model, 2, "keepalive", cpu_distributed_timeout_seconds=cpu_timeout_s))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    result: dict[str, Any] = {"short": llm.collective_rpc(sleep_on_rank0, args=(short_s,))}
+    result["generate_after_short"] = len(llm.generate(PROMPTS, params, use_tqdm=False))
+    t0 = time.monotonic()
+    try:
+        llm.collective_rpc(sleep_on_rank0, args=(long_s,))
+        result["long_error"] = None
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        result["long_error"] = f"{type(e).__name__}: {e}"
+    result["long_elapsed_s"] = time.monotonic() - t0
+    return result
+
+
 if __name__ == "__main__":
     name, kwargs = sys.argv[1], json.loads(sys.argv[2])
     out = globals()[name](**kwargs)

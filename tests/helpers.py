@@ -108,7 +108,8 @@ class Server:
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 300) -> None:
@@ -171,12 +172,19 @@ class Server:
         return code
 
 
-def alive(procs: list[psutil.Process]) -> list[int]:
+def left_after(procs: list[psutil.Process], seconds: float) -> list[str]:
+    """Processes of ``procs`` still running ``seconds`` from now (each may exit meanwhile)."""
+    psutil.wait_procs([p for p in procs if p.is_running()], timeout=seconds)
+    return alive(procs)
+
+
+def alive(procs: list[psutil.Process]) -> list[str]:
+    """``"pid name"`` of each process still running (zombies count as gone)."""
     out = []
     for p in procs:
         try:
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p.pid)
+                out.append(f"{p.pid} {p.name()}")
         except psutil.NoSuchProcess:
             pass
     return out

@@ -1,0 +1,183 @@
+"""Fault scenarios against `vllm serve`, keepalive and mp side by side, with the times
+measured: the figures of docs/reliability.md. (The pass/fail versions with bounds are
+tests/test_faults.py; this script only measures.)
+
+    python benchmarks/bench_faults.py [--backends keepalive mp] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import psutil  # noqa: E402
+from helpers import Server, alive  # noqa: E402
+
+WORKER_TITLE = {"keepalive": "KeepaliveWorker_TP1", "mp": "Worker_TP1"}
+
+
+def start(model: str, backend: str, name: str, out: Path, extra: list[str] | None = None
+          ) -> Server:
+    fault_dir = out / f"faults-{backend}-{name}"
+    fault_dir.mkdir(parents=True, exist_ok=True)
+    env = {"KEEPALIVE_FAULT_DIR": str(fault_dir),
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent / "tests"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    s = Server(model, out / f"fault-{backend}-{name}.log", backend=backend,
+               extra_args=["--distributed-timeout-seconds", "30", *(extra or [])],
+               extra_env=env)
+    s.fault_dir = fault_dir
+    s.wait_ready()
+    return s
+
+
+def until(pred, bound: float = 60.0) -> float | None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < bound:
+        if pred():
+            return round(time.monotonic() - t0, 2)
+        time.sleep(0.05)
+    return None
+
+
+def unhealthy(s: Server) -> bool:
+    return s.proc.poll() is not None or s.health() != 200
+
+
+def proc(s: Server, title: str) -> psutil.Process:
+    return next(p for p in s.tree() if title in p.name())
+
+
+def streams(s: Server, n: int, ends: dict) -> None:
+    def run(i: int) -> None:
+        try:
+            for _ in s.client().completions.create(
+                    model="tiny", prompt="Hello", max_tokens=200, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True}):
+                pass
+            ends[i] = ("finished", time.monotonic())
+        except Exception as e:  # noqa: BLE001
+            ends[i] = (type(e).__name__, time.monotonic())
+
+    for i in range(n):
+        threading.Thread(target=run, args=(i,), daemon=True).start()
+
+
+def finish(s: Server, tree: list[psutil.Process]) -> dict:
+    exit_s = until(lambda: s.proc.poll() is not None, 60)
+    code = s.proc.poll()
+    s.stop()
+    time.sleep(10)
+    return {"server_exit_s": exit_s, "exit_code": code, "left_after_10s": len(alive(tree))}
+
+
+def kill_worker(model: str, backend: str, out: Path, busy: bool) -> dict:
+    s = start(model, backend, f"kill-worker-{'busy' if busy else 'idle'}", out)
+    tree = s.tree()
+    ends: dict = {}
+    if busy:
+        streams(s, 8, ends)
+        time.sleep(1.5)
+    t0 = time.monotonic()
+    proc(s, WORKER_TITLE[backend]).kill()
+    r: dict[str, Any] = {"unhealthy_s": until(lambda: unhealthy(s))}
+    if busy:
+        until(lambda: len(ends) == 8, 120)
+        r["clients_ended_s"] = round(max(t for _, t in ends.values()) - t0, 2) if ends else None
+        r["client_outcomes"] = sorted({k for k, _ in ends.values()})
+    r.update(finish(s, tree))
+    log = s.log()
+    r["log_names_rank"] = "rank 1" in log or "Worker_TP1" in log
+    return r
+
+
+def kill_engine(model: str, backend: str, out: Path, busy: bool) -> dict:
+    s = start(model, backend, f"kill-engine-{'busy' if busy else 'idle'}", out)
+    tree = s.tree()
+    if busy:
+        streams(s, 8, {})
+        time.sleep(1.5)
+    workers = [p for p in tree if "Worker" in p.name()]
+    proc(s, "EngineCore").kill()
+    r = {"workers_gone_s": until(lambda: not alive(workers))}
+    r.update(finish(s, tree))
+    return r
+
+
+def sigterm(model: str, backend: str, out: Path) -> dict:
+    shm = set(os.listdir("/dev/shm"))
+    s = start(model, backend, "sigterm", out)
+    s.client().completions.create(model="tiny", prompt="Hi", max_tokens=4)
+    tree = s.tree()
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    s.proc.wait(120)
+    r = {"exit_s": round(time.monotonic() - t0, 2), "exit_code": s.proc.returncode}
+    s.stop()
+    r["left"] = len(alive(tree))
+    r["new_shm_entries"] = sorted(set(os.listdir("/dev/shm")) - shm)
+    return r
+
+
+def raise_in_step(model: str, backend: str, out: Path) -> dict:
+    s = start(model, backend, "raise", out, ["--worker-cls", "fault_injection.FaultyCPUWorker"])
+    tree = s.tree()
+    (s.fault_dir / "raise_rank1").write_text("1")
+    t0 = time.monotonic()
+    try:
+        s.client().completions.create(model="tiny", prompt="Hi", max_tokens=4)
+        outcome = "answered"
+    except Exception as e:  # noqa: BLE001
+        outcome = type(e).__name__
+    r: dict[str, Any] = {"client_error_s": round(time.monotonic() - t0, 2), "outcome": outcome,
+                         "unhealthy_s": until(lambda: unhealthy(s))}
+    r.update(finish(s, tree))
+    return r
+
+
+SCENARIOS = {
+    "worker SIGKILL, idle": lambda m, b, o: kill_worker(m, b, o, False),
+    "worker SIGKILL, 8 streams": lambda m, b, o: kill_worker(m, b, o, True),
+    "engine SIGKILL, idle": lambda m, b, o: kill_engine(m, b, o, False),
+    "engine SIGKILL, 8 streams": lambda m, b, o: kill_engine(m, b, o, True),
+    "API server SIGTERM": sigterm,
+    "rank 1 raises in a step": raise_in_step,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", nargs="+", default=["keepalive", "mp"])
+    ap.add_argument("--json", default=str(HERE / "results" / "faults.json"))
+    args = ap.parse_args()
+    from keepalive_executor.tiny_model import build_tiny_model
+
+    model = str(build_tiny_model())
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    print(f"# {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}  {os.uname().machine} "
+          f"nproc={os.cpu_count()}  command: python {' '.join(sys.argv)}")
+    results: dict[str, dict[str, Any]] = {}
+    for name, fn in SCENARIOS.items():
+        for backend in args.backends:
+            try:
+                r = fn(model, backend, out)
+            except Exception as e:  # noqa: BLE001 - report, go on
+                r = {"error": repr(e)}
+            results.setdefault(name, {})[backend] = r
+            print(f"{name:28s} {backend:10s} {json.dumps(r)}", flush=True)
+    Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

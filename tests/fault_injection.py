@@ -1,0 +1,51 @@
+"""Test-only fault injection, loaded by servers through vLLM's own extension points
+(``--worker-cls`` and ``--scheduler-cls``). Faults are armed by creating files in the
+directory named by ``KEEPALIVE_FAULT_DIR``, so a test can arm them while the server runs:
+
+* ``raise_rank1``       rank 1 raises inside its next execute_model
+* ``stall_schedule``    the engine loop sleeps N seconds in its next schedule(), outside any step
+
+Each file is removed when it fires, so a fault fires once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+
+def _take(name: str) -> str | None:
+    d = os.environ.get("KEEPALIVE_FAULT_DIR")
+    if not d:
+        return None
+    path = os.path.join(d, name)
+    try:
+        with open(path) as f:
+            content = f.read()
+        os.unlink(path)
+        return content
+    except FileNotFoundError:
+        return None
+
+
+class FaultyCPUWorker(CPUWorker):
+    """A CPUWorker whose steps fail or stall on demand."""
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        if self.rank == 1 and _take("raise_rank1") is not None:
+            raise RuntimeError("injected step failure on rank 1")
+        return super().execute_model(scheduler_output)
+
+
+class StallingScheduler(Scheduler):
+    """A Scheduler whose engine loop stalls on demand, outside any model step."""
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        seconds = _take("stall_schedule")
+        if seconds is not None:
+            time.sleep(float(seconds))
+        return super().schedule(*args, **kwargs)

@@ -1,0 +1,224 @@
+"""Faults against a real `vllm serve` with the keepalive backend: every case ends within a
+stated bound, with a clear message, and leaves no process, shm entry or port behind.
+
+The bounds are generous against what we observed (docs/reliability.md has the figures);
+each assertion fails on a hang, which is what these tests exist to catch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import HERE, Server, alive, left_after
+
+pytestmark = pytest.mark.slow
+
+DETECT_BOUND_S = 15.0  # worker death -> server unhealthy or gone
+CLIENT_BOUND_S = 30.0  # worker death mid-stream -> every client has an error or end of stream
+WORKER_EXIT_BOUND_S = 10.0  # engine process death -> every worker gone
+SHUTDOWN_BOUND_S = 30.0  # SIGTERM/SIGINT -> server exited
+
+
+def fault_server(tiny_model: str, tmp_path: Path, name: str, *, timeout: str = "30",
+                 extra_args: list[str] | None = None, extra_env: dict | None = None) -> Server:
+    fault_dir = tmp_path / "faults"
+    fault_dir.mkdir(exist_ok=True)
+    env = {"KEEPALIVE_FAULT_DIR": str(fault_dir),
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    env.update(extra_env or {})
+    server = Server(tiny_model, tmp_path / f"{name}.log",
+                    extra_args=["--distributed-timeout-seconds", timeout, *(extra_args or [])],
+                    extra_env=env)
+    server.fault_dir = fault_dir
+    server.wait_ready()
+    return server
+
+
+def by_title(server: Server, title: str) -> list[psutil.Process]:
+    return [p for p in server.tree() if title in p.name()]
+
+
+def wait_until(pred, bound: float, step: float = 0.05) -> float | None:
+    """Seconds until ``pred()`` held, or None if it did not within ``bound``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < bound:
+        if pred():
+            return time.monotonic() - t0
+        time.sleep(step)
+    return None
+
+
+def unhealthy(server: Server) -> bool:
+    return server.proc.poll() is not None or server.health() != 200
+
+
+def one_request(server: Server, max_tokens: int = 8) -> str:
+    c = server.client()
+    return c.completions.create(model="tiny", prompt="Hello, my name is",
+                                max_tokens=max_tokens, temperature=0).choices[0].text
+
+
+def test_worker_killed_while_idle(tiny_model, tmp_path):
+    server = fault_server(tiny_model, tmp_path, "kill-idle")
+    try:
+        one_request(server)
+        tree = server.tree()
+        # security: nothing of the tree listens beyond loopback
+        for p in tree:
+            for conn in p.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    assert conn.laddr.ip in ("127.0.0.1", "::1"), (p.name(), conn)
+        [worker] = by_title(server, "KeepaliveWorker_TP1")
+        worker.kill()
+        took = wait_until(lambda: unhealthy(server), DETECT_BOUND_S)
+        assert took is not None, "server still healthy after a worker died"
+        # vLLM's API server then shuts itself down (with exit code 0, as it does for mp)
+        server.proc.wait(DETECT_BOUND_S)
+        assert "worker rank 1" in server.log() and "died unexpectedly" in server.log()
+    finally:
+        server.stop()
+    time.sleep(10)
+    assert alive(tree) == []
+
+
+def _stream_all(server: Server, n: int, results: dict) -> list[threading.Thread]:
+    def run(i: int) -> None:
+        t0 = time.monotonic()
+        try:
+            chunks = 0
+            for _ in server.client().completions.create(
+                    model="tiny", prompt="Hello", max_tokens=200, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True}):
+                chunks += 1
+            results[i] = ("finished", chunks, time.monotonic())
+        except Exception as e:  # noqa: BLE001 - an error is a valid end
+            results[i] = ("error", type(e).__name__, time.monotonic())
+        del t0
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_worker_killed_with_8_streams_in_flight(tiny_model, tmp_path):
+    server = fault_server(tiny_model, tmp_path, "kill-busy")
+    results: dict = {}
+    try:
+        tree = server.tree()
+        threads = _stream_all(server, 8, results)
+        time.sleep(1.5)
+        assert not results, "streams ended before the fault"
+        [worker] = by_title(server, "KeepaliveWorker_TP1")
+        t_kill = time.monotonic()
+        worker.kill()
+        for t in threads:
+            t.join(CLIENT_BOUND_S)
+        assert len(results) == 8, f"clients still hanging: {8 - len(results)}"
+        ends = [r[2] - t_kill for r in results.values()]
+        assert max(ends) < CLIENT_BOUND_S
+        # a stream cut by the fault must not look complete: 200 tokens were asked for
+        assert all(r[0] == "error" or r[1] < 200 for r in results.values()), results
+        server.proc.wait(DETECT_BOUND_S)
+        assert "worker rank 1" in server.log()
+    finally:
+        server.stop()
+    time.sleep(10)
+    assert alive(tree) == []
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_engine_process_killed_workers_exit(tiny_model, tmp_path, busy):
+    server = fault_server(tiny_model, tmp_path, f"kill-engine-{busy}")
+    results: dict = {}
+    try:
+        [engine] = by_title(server, "EngineCore")
+        [worker] = by_title(server, "KeepaliveWorker_TP1")
+        if busy:
+            _stream_all(server, 8, results)
+            time.sleep(1.5)
+        engine.kill()
+        took = wait_until(lambda: not alive([worker]), WORKER_EXIT_BOUND_S)
+        assert took is not None, "worker outlived the engine process"
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_api_server_signal_graceful_shutdown(tiny_model, tmp_path, sig):
+    shm_before = set(os.listdir("/dev/shm"))
+    # vLLM's default --shutdown-timeout 0 SIGKILLs the engine and its children at once (for
+    # mp too), which leaves the CPU all-reduce's /dev/shm segments behind; a graceful
+    # shutdown is the drain mode.
+    server = fault_server(tiny_model, tmp_path, f"signal-{sig.name}",
+                          extra_args=["--shutdown-timeout", "10"])
+    one_request(server)
+    tree = server.tree()
+    port = server.port
+    t0 = time.monotonic()
+    server.proc.send_signal(sig)
+    code = server.proc.wait(SHUTDOWN_BOUND_S)
+    took = time.monotonic() - t0
+    assert code == 0 and took < SHUTDOWN_BOUND_S
+    # the resource tracker may take a moment after the server to notice its parent is gone
+    assert left_after(tree, 10) == []
+    server.stop()
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    with socket.socket() as s:
+        # the port is free again for a new server (SO_REUSEADDR, as uvicorn binds: the
+        # closed client connections may sit in TIME_WAIT, which is not a leak)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+    assert "keepalive executor shut down; worker exit codes {1: 0}" in server.log()
+
+
+def test_worker_raises_inside_a_step(tiny_model, tmp_path):
+    server = fault_server(tiny_model, tmp_path, "raise-in-step",
+                          extra_args=["--worker-cls", "fault_injection.FaultyCPUWorker"])
+    try:
+        tree = server.tree()
+        assert one_request(server)
+        (server.fault_dir / "raise_rank1").write_text("1")
+        t0 = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017 - any error reaching the client is right
+            one_request(server)
+        assert time.monotonic() - t0 < CLIENT_BOUND_S
+        assert wait_until(lambda: unhealthy(server), DETECT_BOUND_S) is not None
+        log = server.log()
+        assert "injected step failure on rank 1" in log and "worker rank 1" in log
+    finally:
+        server.stop()
+    time.sleep(5)
+    assert alive(tree) == []
+
+
+STALL_TIMEOUT = "6"
+STALL_S = "15"  # 2.5 times the collective timeout, in the engine loop, outside any step
+
+
+@pytest.mark.parametrize("pacer", [True, False], ids=["keepalive", "negative-control"])
+def test_engine_loop_stall_outside_a_step(tiny_model, tmp_path, pacer):
+    env = {} if pacer else {"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"}
+    server = fault_server(tiny_model, tmp_path, f"stall-{pacer}", timeout=STALL_TIMEOUT,
+                          extra_args=["--scheduler-cls", "fault_injection.StallingScheduler"],
+                          extra_env=env)
+    try:
+        first = one_request(server)
+        (server.fault_dir / "stall_schedule").write_text(STALL_S)
+        if pacer:
+            assert one_request(server) == first  # arrives after the stall, same answer
+            assert server.health() == 200
+        else:
+            with pytest.raises(Exception):  # noqa: B017
+                one_request(server)
+            assert "Timed out" in server.log()
+    finally:
+        server.stop()
