@@ -57,8 +57,14 @@ def test_negative_control_without_keepalive_idle_kills_the_server(tiny_model, tm
     try:
         server.wait_ready()
         client = server.client()
-        ask(client)
         tree = server.tree()
+        try:
+            # Without the pacer the worker's wait has been running since start-up, so on a
+            # slow machine even this first request may already find it dead: also a failure
+            # of the same scenario.
+            ask(client)
+        except Exception:  # noqa: BLE001
+            pass
         time.sleep(IDLE_S)
         failed = False
         try:
