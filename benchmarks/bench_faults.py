@@ -114,9 +114,9 @@ def kill_engine(model: str, backend: str, out: Path, busy: bool) -> dict:
     return r
 
 
-def sigterm(model: str, backend: str, out: Path) -> dict:
+def sigterm(model: str, backend: str, out: Path, drain_s: int = 0) -> dict:
     shm = set(os.listdir("/dev/shm"))
-    s = start(model, backend, "sigterm", out)
+    s = start(model, backend, f"sigterm-{drain_s}", out, ["--shutdown-timeout", str(drain_s)])
     s.client().completions.create(model="tiny", prompt="Hi", max_tokens=4)
     tree = s.tree()
     t0 = time.monotonic()
@@ -151,6 +151,7 @@ SCENARIOS = {
     "engine SIGKILL, idle": lambda m, b, o: kill_engine(m, b, o, False),
     "engine SIGKILL, 8 streams": lambda m, b, o: kill_engine(m, b, o, True),
     "API server SIGTERM": sigterm,
+    "API server SIGTERM, drain 10 s": lambda m, b, o: sigterm(m, b, o, 10),
     "rank 1 raises in a step": raise_in_step,
 }
 
@@ -158,6 +159,7 @@ SCENARIOS = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", nargs="+", default=["keepalive", "mp"])
+    ap.add_argument("--only", nargs="+", choices=sorted(SCENARIOS), help="run these scenarios")
     ap.add_argument("--json", default=str(HERE / "results" / "faults.json"))
     args = ap.parse_args()
     from keepalive_executor.tiny_model import build_tiny_model
@@ -169,6 +171,8 @@ def main() -> None:
           f"nproc={os.cpu_count()}  command: python {' '.join(sys.argv)}")
     results: dict[str, dict[str, Any]] = {}
     for name, fn in SCENARIOS.items():
+        if args.only and name not in args.only:
+            continue
         for backend in args.backends:
             try:
                 r = fn(model, backend, out)

@@ -47,9 +47,12 @@ def _receive_all(channel) -> dict:
 
     log: list[tuple[int, Any]] = []
     keepalives = 0
+    t_first = None
     try:
         while True:
             msg = channel.recv()
+            if t_first is None:
+                t_first = time.monotonic()
             if msg.kind is MessageKind.KEEPALIVE:
                 keepalives += 1
             elif msg.kind is MessageKind.SHUTDOWN:
@@ -58,7 +61,7 @@ def _receive_all(channel) -> dict:
                 log.append((msg.seq, msg.payload))
     except ChannelError as e:
         return {"log": log, "keepalives": keepalives, "error": str(e),
-                "error_type": type(e).__name__, "t_error": time.monotonic()}
+                "error_type": type(e).__name__, "t_error": time.monotonic(), "t_first": t_first}
 
 
 def idle_survival(rank: int, world: int, idle_s: float, interval_s: float | None) -> dict:
