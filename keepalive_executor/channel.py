@@ -49,7 +49,6 @@ import enum
 import pickle
 import struct
 import threading
-import time
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -250,11 +249,10 @@ class BroadcastChannel:
         self._frame = torch.zeros(self.frame_bytes, dtype=torch.uint8, device=self.device)
         on_cpu = self.device.type == "cpu"
         self._host_frame = self._frame if on_cpu else torch.zeros_like(self._frame, device="cpu")
+        self._host_np = self._host_frame.numpy()  # one view, reused by every message
         self._next_seq = 1
         self._seq_check = SequenceChecker()
         self._closed = False
-        #: time.monotonic() of the last completed send (sender only)
-        self.last_send_monotonic = time.monotonic()
 
     # ------------------------------------------------------------------ sender side
     def send(self, obj: Any) -> int:
@@ -285,7 +283,7 @@ class BroadcastChannel:
                 raise ChannelError("channel is shut down (or failed); nothing was sent")
             seq = self._next_seq
             header = encode_header(FrameHeader(kind=kind, seq=seq, length=len(data)))
-            host = self._host_frame.numpy()
+            host = self._host_np
             host[:HEADER_SIZE] = memoryview(header)
             if 0 < len(data) <= self.inline_bytes:
                 host[HEADER_SIZE : HEADER_SIZE + len(data)] = memoryview(data)
@@ -303,7 +301,6 @@ class BroadcastChannel:
                     f"broadcast of frame {seq} ({kind.name}) from rank {self.src} failed: {e}"
                 ) from e
             self._next_seq = seq + 1
-            self.last_send_monotonic = time.monotonic()
             return seq
 
     # ---------------------------------------------------------------- receiver side
@@ -315,18 +312,20 @@ class BroadcastChannel:
             raise ChannelError("channel already received SHUTDOWN (or failed)")
         try:
             dist.broadcast(self._frame, src=self.src, group=self.group)
-            host = self._frame if self._frame is self._host_frame else self._frame.cpu()
-            raw = host.numpy()
+            if self._frame is not self._host_frame:
+                self._host_frame.copy_(self._frame)
+            raw = self._host_np
             header = decode_header(raw[:HEADER_SIZE].tobytes(), self.max_payload_bytes)
             self._seq_check.check(header.seq)
             payload: Any = None
             if header.kind is MessageKind.PAYLOAD:
+                # pickle reads straight from the frame (or the payload tensor): no copy
                 if header.length <= self.inline_bytes:
-                    data = raw[HEADER_SIZE : HEADER_SIZE + header.length].tobytes()
+                    data = memoryview(raw)[HEADER_SIZE : HEADER_SIZE + header.length]
                 else:
                     big = torch.empty(header.length, dtype=torch.uint8, device=self.device)
                     dist.broadcast(big, src=self.src, group=self.group)
-                    data = big.cpu().numpy().tobytes()
+                    data = memoryview(big.cpu().numpy())
                 payload = deserialize(data)
             elif header.kind is MessageKind.SHUTDOWN:
                 self._closed = True
