@@ -252,8 +252,8 @@ class KeepaliveExecutor(Executor):
         If the step has not returned after FAILURE_GRACE_S, end the engine process: its
         parent (vLLM's front end) then fails every request, and the workers, whose death
         pipes close, exit too. A hang forever is the only alternative."""
-        deadline = _now() + FAILURE_GRACE_S
-        while self._inside is not None and _now() < deadline:
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        while self._inside is not None and time.monotonic() < deadline:
             time.sleep(0.05)
         stuck = self._inside
         if stuck is None:
@@ -345,7 +345,7 @@ class KeepaliveExecutor(Executor):
 
         self._check_usable()
         assert self._channel is not None and self._pacer is not None
-        deadline = None if timeout is None else _now() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._rpc_lock, self._inside_call(req.name):
             self._pacer.begin_step()
             try:
@@ -400,10 +400,10 @@ class KeepaliveExecutor(Executor):
                 self._reply_group,
                 dst=0,
                 world_size=self.world_size,
-                timeout_s=None if deadline is None else deadline - _now(),
+                timeout_s=None if deadline is None else deadline - time.monotonic(),
             )
         except Exception as e:
-            if deadline is not None and _now() >= deadline:
+            if deadline is not None and time.monotonic() >= deadline:
                 self._fail(f"collective_rpc({req.name!r}) timed out after {timeout:g}s")
                 raise TimeoutError(
                     f"collective_rpc({req.name!r}) timed out after {timeout:g}s waiting for "
@@ -567,6 +567,3 @@ class KeepaliveExecutor(Executor):
             if w.proc.is_alive():
                 w.proc.kill()
 
-
-def _now() -> float:
-    return time.monotonic()

@@ -219,14 +219,10 @@ class Pacer:
             return self._tick_locked()
 
     def _tick_locked(self) -> float | None:
-        if not self._core.accepting:
-            return None
-        due = self._core.keepalive_due_at()
-        if due is None:
-            return None
         now = self._clock()
-        if now < due:
-            return due - now
+        if not self._core.should_send(now):
+            due = self._core.keepalive_due_at()  # None unless idle
+            return None if due is None else due - now
         try:
             with self._send_lock:
                 self._send_keepalive()
