@@ -1,10 +1,12 @@
 """KeepaliveExecutor: vLLM's executor contract on one side, the channel and pacer on the other.
 
 The driver (rank 0) lives in the engine process and runs its share of the model in-process,
-as vLLM's ``UniProcExecutor`` does. Ranks 1..N-1 are worker processes started here (see
-:mod:`keepalive_executor.launcher`) that wait indefinitely in
-:func:`keepalive_executor.worker_loop.receive_loop`. Every engine call is one broadcast on
-the channel; calls that need every rank's result gather them over the world CPU group.
+as vLLM's ``UniProcExecutor`` does. Ranks 1..N-1 wait indefinitely in
+:func:`keepalive_executor.worker_loop.receive_loop`; they are either worker processes started
+here (see :mod:`keepalive_executor.launcher`) or, in torchrun mode, torchrun's own processes
+that receive their configuration from the driver (see :mod:`keepalive_executor.torchrun`).
+Every engine call is one broadcast on the channel; calls that need every rank's result
+gather them over the world CPU group.
 While the engine is idle, the pacer broadcasts a no-op keepalive every ``interval``.
 
 States of the executor (``self.state``): ``running`` -> ``failed`` (a worker died, a
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import threading
 import time
 import weakref
@@ -24,7 +27,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-import torch
 from vllm.v1.executor.abstract import Executor, FailureCallback
 
 from keepalive_executor.channel import BroadcastChannel, ChannelError
@@ -42,7 +44,7 @@ from keepalive_executor.launcher import (
 )
 from keepalive_executor.pacer import Pacer
 from keepalive_executor.rpc import RpcReply, RpcRequest, WorkerRpcError, gather_replies
-from keepalive_executor.worker_loop import make_channel
+from keepalive_executor.worker_loop import bind_threads, make_channel
 
 __all__ = ["KeepaliveExecutor", "ExecutorFailedError"]
 
@@ -122,11 +124,32 @@ class KeepaliveExecutor(Executor):
     @staticmethod
     def validate(vllm_config: Any) -> KeepaliveSettings:
         """All start-up checks, cheap enough for the front end: raises KeepaliveConfigError."""
+        from keepalive_executor import torchrun
+
         check_parallel_layout(vllm_config.parallel_config)
+        if torchrun.in_torchrun_mode():
+            torchrun.check_world_size(vllm_config.parallel_config)
         return settings_from_vllm_config(vllm_config)
 
     def _init_executor(self) -> None:
-        self.settings = self.validate(self.vllm_config)
+        from keepalive_executor import torchrun
+
+        self._torchrun: torchrun.TorchrunEnv | None = None
+        self._store: Any = None
+        if torchrun.in_torchrun_mode():
+            self._torchrun = torchrun.TorchrunEnv.from_environ()
+            self._store = torchrun.connect_store(self._torchrun)
+            # torchrun signals rank 0's whole process group. Leave it, so that this engine
+            # process gets one SIGTERM, from vLLM's front end, as under `vllm serve`: a
+            # second one would kill it in vLLM's teardown before SHUTDOWN reaches the
+            # other ranks. It still dies with its parent.
+            os.setpgid(0, 0)
+            torchrun.set_parent_death_signal(signal.SIGKILL)
+        try:
+            self.settings = self.validate(self.vllm_config)
+        except Exception as e:
+            self._tell_followers_error(f"{type(e).__name__}: {e}")
+            raise
         logger.info("%s", self.settings.describe())
         self.state = "running"
         self._sample_pending = False
@@ -143,16 +166,57 @@ class KeepaliveExecutor(Executor):
         self._finalizer = weakref.finalize(self, KeepaliveExecutor._last_resort_stop, self.workers)
 
         self.world_size = self.parallel_config.world_size
-        # Keep gloo's sockets on loopback: there is only one node in this mode.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        from vllm.utils.network_utils import get_file_store_init_method
+        if self._torchrun is not None:
+            # Ranks are torchrun's; the process groups meet on torchrun's store.
+            self._init_method = self._torchrun.group_label()
+            self._local_rank = self._torchrun.local_rank
+        else:
+            # Keep gloo's sockets on loopback: there is only one node in this mode.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            from vllm.utils.network_utils import get_file_store_init_method
 
-        self._init_method = get_file_store_init_method()
+            self._init_method = get_file_store_init_method()
+            self._local_rank = 0
         try:
             self._start()
-        except BaseException:
+        except BaseException as e:
+            self._tell_followers_error(f"rank 0's executor failed to start: {e!r}")
             self.shutdown()
             raise
+
+    def _tell_followers_error(self, message: str) -> None:
+        """torchrun mode: make the waiting ranks exit with rank 0's start-up error."""
+        if self._torchrun is None or self._store is None:
+            return
+        from keepalive_executor import torchrun
+
+        try:
+            torchrun.post_error(self._store, self._torchrun, message)
+        except Exception:  # noqa: BLE001 - they still time out or are stopped by torchrun
+            logger.warning("could not post the start-up error to torchrun's store", exc_info=True)
+
+    def _post_bootstrap(self) -> None:
+        """torchrun mode: give every other rank the configuration it must follow."""
+        from keepalive_executor import torchrun
+
+        assert self._torchrun is not None
+        settings = dict(
+            init_method=self._init_method,
+            transport=self.settings.transport,
+            inline_bytes=self.settings.inline_bytes,
+            max_payload_bytes=self.settings.max_payload_bytes,
+        )
+        if not torchrun.post_bootstrap(
+            self._store, self._torchrun, {"vllm_config": self.vllm_config, "settings": settings}
+        ):
+            raise RuntimeError(
+                "torchrun's store already holds a bootstrap for this run and attempt "
+                f"({self._torchrun.key('bootstrap')}); is another rank 0 running?"
+            )
+        logger.info(
+            "keepalive torchrun mode: configuration published for ranks 1..%d; joining "
+            "the process groups at %s", self.world_size - 1, self._init_method,
+        )
 
     def _start(self) -> None:
         from vllm.utils.system_utils import get_mp_context
@@ -166,21 +230,29 @@ class KeepaliveExecutor(Executor):
             max_payload_bytes=self.settings.max_payload_bytes,
             shared_worker_lock=lock,
         )
-        for rank in range(1, self.world_size):
-            self.workers.append(spawn_worker(self.vllm_config, rank, common))
+        if self._torchrun is None:
+            for rank in range(1, self.world_size):
+                self.workers.append(spawn_worker(self.vllm_config, rank, common))
+        else:
+            self._post_bootstrap()
 
         self.driver_worker = WorkerWrapperBase(rpc_rank=0, global_rank=0)
         all_kwargs: list[dict] = [{} for _ in range(self.world_size)]
         all_kwargs[0] = dict(
             vllm_config=self.vllm_config,
-            local_rank=0,
+            local_rank=self._local_rank,
             rank=0,
             distributed_init_method=self._init_method,
             is_driver_worker=True,
             shared_worker_lock=lock,
         )
         self.driver_worker.init_worker(all_kwargs)
-        self._bind_driver_threads()
+        # On CPU, the in-process driver takes rank 0's CPUs, as mp gives its worker 0.
+        bind_threads(self.vllm_config, self._local_rank)
+        if self._torchrun is not None:
+            from keepalive_executor.torchrun import init_world_process_group
+
+            init_world_process_group(self._torchrun, self.vllm_config)
         self.driver_worker.init_device()  # joins the process groups with every worker
         self._channel, self._reply_group = make_channel(
             self.settings.transport, self.settings.inline_bytes, self.settings.max_payload_bytes
@@ -202,23 +274,6 @@ class KeepaliveExecutor(Executor):
             self._pacer.start()
         self.collective_rpc(_load_model)
 
-    def _bind_driver_threads(self) -> None:
-        """On CPU, give the in-process driver rank 0's CPUs, as mp gives its worker 0."""
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return
-        from vllm.utils.ompmultiprocessing import OMPProcessManager
-
-        manager = OMPProcessManager(self.vllm_config)
-        if manager.skip_setup or not manager.cpu_lists:
-            return
-        cpus = manager.cpu_lists[0]
-        # Binds this (the engine's) thread; threads it starts later inherit the mask.
-        os.sched_setaffinity(0, cpus)
-        torch.set_num_threads(len(cpus))
-        logger.info("keepalive driver (rank 0) bound to CPUs %s", cpus)
-
     # ------------------------------------------------------------------ failure
     def _fail(self, reason: str) -> None:
         with self._state_lock:
@@ -228,6 +283,9 @@ class KeepaliveExecutor(Executor):
             self._failure = reason
             callback, self._failure_callback = self._failure_callback, None
         logger.error("keepalive executor failed: %s", reason)
+        from keepalive_executor import torchrun
+
+        torchrun.record_failure(reason)
         if self._inside is not None:
             threading.Thread(
                 target=self._watch_stuck_step, args=(reason,), name="keepalive-stuck-step",
@@ -544,9 +602,9 @@ class KeepaliveExecutor(Executor):
             destroy_distributed_environment()
         except Exception:  # noqa: BLE001
             logger.debug("destroying the process groups failed", exc_info=True)
-        path = getattr(self, "_init_method", "").removeprefix("file://")
-        if path and os.path.exists(path):
-            os.unlink(path)
+        init_method = getattr(self, "_init_method", "")
+        if init_method.startswith("file://") and os.path.exists(init_method[7:]):
+            os.unlink(init_method[7:])
         self._finalizer.detach()
         logger.info(
             "keepalive executor shut down; worker exit codes %s",

@@ -34,7 +34,18 @@ def register() -> None:
     vllm_get_class = Executor.get_class
 
     def get_class(vllm_config: Any) -> type[Executor]:
-        if vllm_config.parallel_config.distributed_executor_backend == BACKEND_NAME:
+        backend = vllm_config.parallel_config.distributed_executor_backend
+        from keepalive_executor.torchrun import in_torchrun_mode
+
+        if in_torchrun_mode() and backend != BACKEND_NAME:
+            from keepalive_executor.config import KeepaliveConfigError
+
+            raise KeepaliveConfigError(
+                f"distributed_executor_backend={backend!r} under `python -m "
+                "keepalive_executor serve`: the ranks are torchrun's processes, which only "
+                "the keepalive executor can drive; remove the setting"
+            )
+        if backend == BACKEND_NAME:
             from keepalive_executor.executor import KeepaliveExecutor
 
             KeepaliveExecutor.validate(vllm_config)

@@ -27,7 +27,9 @@ from typing import Any
 from keepalive_executor.channel import BroadcastChannel, ChannelError, MessageKind
 from keepalive_executor.rpc import RpcReply, RpcRequest, gather_replies
 
-__all__ = ["receive_loop", "make_channel", "worker_main", "WorkerStepError"]
+__all__ = [
+    "receive_loop", "make_channel", "bind_threads", "run_worker", "worker_main", "WorkerStepError",
+]
 
 # Under the "vllm." namespace so that vLLM's logging configuration (format, level) applies.
 logger = logging.getLogger("vllm." + __name__)
@@ -70,7 +72,7 @@ def receive_loop(
             keepalives += 1
             continue
         if msg.kind is MessageKind.SHUTDOWN:
-            logger.debug("rank %d: SHUTDOWN after %d keepalives", rank, keepalives)
+            logger.info("rank %d: SHUTDOWN from the driver after %d keepalives", rank, keepalives)
             return keepalives
         req: RpcRequest = msg.payload
         try:
@@ -123,7 +125,30 @@ def _watch_parent(death_pipe: Connection, shutting_down: threading.Event) -> Non
     threading.Thread(target=watch, name="keepalive-parent-watch", daemon=True).start()
 
 
-def worker_main(
+def bind_threads(vllm_config: Any, local_rank: int) -> None:
+    """On CPU, bind this process's threads to the CPUs vLLM gives ``local_rank``.
+
+    vLLM's mp executor sets OpenMP variables before it starts a worker; a process that is
+    already running (the in-process driver, a torchrun rank) binds its own thread instead,
+    before any OpenMP pool exists, and later threads inherit the mask.
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    manager = OMPProcessManager(vllm_config)
+    if manager.skip_setup or not manager.cpu_lists:
+        return
+    cpus = manager.cpu_lists[local_rank]
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+    logger.info("keepalive rank with local rank %d bound to CPUs %s", local_rank, cpus)
+
+
+def run_worker(
     *,
     vllm_config: Any,
     rank: int,
@@ -132,36 +157,28 @@ def worker_main(
     transport: str,
     inline_bytes: int,
     max_payload_bytes: int,
-    ready_pipe: Connection,
-    death_pipe: Connection,
     shared_worker_lock: Any,
-) -> None:
-    """Entry point of a worker process started by the executor."""
-    shutting_down = threading.Event()
+    on_ready: Any,
+    stop_requested: threading.Event,
+) -> int:
+    """Build this rank's vLLM worker, follow the driver, clean up; return the exit code.
 
-    def on_signal(signum: int, frame: Any) -> None:
-        shutting_down.set()
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    _watch_parent(death_pipe, shutting_down)
-
+    ``stop_requested`` is set by whoever asked this rank to stop (a signal): once it is
+    set, a channel that breaks (the driver went away) is a normal end, code 0.
+    """
     from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
-    from vllm.utils.system_utils import decorate_logs, set_process_title
+    from vllm.logger import configure_logging_if_needed
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    # "VLLM::KeepaliveWorker_TP1" in ps/top, and the same prefix on its log lines.
-    set_process_title(name=f"KeepaliveWorker_TP{rank}")
-    decorate_logs(f"KeepaliveWorker_TP{rank}")
-
+    # vLLM configures logging per process from the config (level, format, file).
+    configure_logging_if_needed(vllm_config.logging_config)
     world_size = vllm_config.parallel_config.world_size
     code = EXIT_FAILED
     wrapper = None
     try:
-        wrapper = WorkerWrapperBase(rpc_rank=local_rank, global_rank=rank)
+        wrapper = WorkerWrapperBase(rpc_rank=rank, global_rank=rank)
         all_kwargs: list[dict] = [{} for _ in range(world_size)]
-        all_kwargs[local_rank] = dict(
+        all_kwargs[rank] = dict(
             vllm_config=vllm_config,
             local_rank=local_rank,
             rank=rank,
@@ -172,18 +189,23 @@ def worker_main(
         wrapper.init_worker(all_kwargs)
         wrapper.init_device()
         channel, reply_group = make_channel(transport, inline_bytes, max_payload_bytes)
-        ready_pipe.send({"status": "READY", "rank": rank, "pid": os.getpid()})
-        ready_pipe.close()
+        on_ready()
         receive_loop(wrapper, channel, reply_group, rank=rank, world_size=world_size)
         code = EXIT_SHUTDOWN
-    except (ChannelError, WorkerStepError) as e:
+    except ChannelError as e:
+        if stop_requested.is_set():
+            logger.info("keepalive worker rank %d: driver gone after a stop request", rank)
+            code = EXIT_SHUTDOWN
+        else:
+            logger.error("keepalive worker rank %d stops: %s", rank, e)
+    except WorkerStepError as e:
         logger.error("keepalive worker rank %d stops: %s", rank, e)
     except SystemExit:
-        code = EXIT_SHUTDOWN if shutting_down.is_set() else EXIT_FAILED
+        code = EXIT_SHUTDOWN if stop_requested.is_set() else EXIT_FAILED
     except BaseException:  # noqa: BLE001 - logged, then a non-zero exit
         logger.exception("keepalive worker rank %d failed", rank)
     finally:
-        shutting_down.set()
+        stop_requested.set()
         try:
             if wrapper is not None and getattr(wrapper, "worker", None) is not None:
                 wrapper.shutdown()
@@ -192,4 +214,36 @@ def worker_main(
                 destroy_distributed_environment()
         except Exception:  # noqa: BLE001 - best effort on the way out
             logger.debug("cleanup after the receive loop failed", exc_info=True)
+    return code
+
+
+def worker_main(
+    *, rank: int, ready_pipe: Connection, death_pipe: Connection, **worker_kwargs: Any
+) -> None:
+    """Entry point of a worker process started by the executor.
+
+    ``worker_kwargs`` are :func:`run_worker`'s (the configuration, local rank, init method,
+    transport, frame sizes, shared lock), as the launcher passes them.
+    """
+    shutting_down = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        shutting_down.set()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    _watch_parent(death_pipe, shutting_down)
+
+    from vllm.utils.system_utils import decorate_logs, set_process_title
+
+    # "VLLM::KeepaliveWorker_TP1" in ps/top, and the same prefix on its log lines.
+    set_process_title(name=f"KeepaliveWorker_TP{rank}")
+    decorate_logs(f"KeepaliveWorker_TP{rank}")
+
+    def ready() -> None:
+        ready_pipe.send({"status": "READY", "rank": rank, "pid": os.getpid()})
+        ready_pipe.close()
+
+    code = run_worker(rank=rank, on_ready=ready, stop_requested=shutting_down, **worker_kwargs)
     os._exit(code)

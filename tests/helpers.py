@@ -188,3 +188,141 @@ def alive(procs: list[psutil.Process]) -> list[str]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def tagged_processes(tag: str) -> list[psutil.Process]:
+    """Every live process whose environment still shows ``KEEPALIVE_TEST_TAG=tag``.
+
+    torchrun starts each rank in its own session, so a session does not find them; the
+    inherited environment finds those that did not overwrite it (setproctitle does).
+    """
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if p.environ().get("KEEPALIVE_TEST_TAG") == tag:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+class TorchrunServer(Server):
+    """`torchrun ... -m keepalive_executor serve` of the tiny model: one agent per node.
+
+    ``nnodes`` agents run on this machine with a static rendezvous on loopback (node rank 0
+    holds rank 0, hence the API server); ``node_env[i]`` is extra environment of agent i.
+    """
+
+    def __init__(self, model: str, log_dir: Path, *, nnodes: int = 1, nproc: int = 2,
+                 tp: int = 2, extra_args: list[str] | None = None,
+                 extra_env: dict | None = None, node_env: list[dict] | None = None,
+                 rdzv: str = "static", launch_args: list[str] | None = None):
+        import uuid
+
+        self.port = free_port()
+        self.tag = uuid.uuid4().hex
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        rdzv_port = free_port()
+        serve = [
+            "-m", "keepalive_executor", "serve", model,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "-tp", str(tp), "--enforce-eager", "--max-model-len", "256",
+            "--max-num-seqs", "8", "--gpu-memory-utilization", "0.2",
+            "--served-model-name", "tiny", "--seed", "0", *(extra_args or []),
+        ]
+        self.agents: list[subprocess.Popen] = []
+        self.log_paths: list[Path] = []
+        self._logs = []
+        for node in range(nnodes):
+            launch = [sys.executable, "-m", "torch.distributed.run",
+                      "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+                      "--monitor-interval", "0.2", *(launch_args or [])]
+            if rdzv == "static":
+                launch += ["--node-rank", str(node), "--master-addr", "127.0.0.1",
+                           "--master-port", str(rdzv_port)]
+            else:
+                launch += ["--rdzv-backend", "c10d", "--rdzv-id", self.tag,
+                           "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}"]
+            e = env(KEEPALIVE_TEST_TAG=self.tag, **(extra_env or {}))
+            e.update((node_env or [{}] * nnodes)[node])
+            path = log_dir / f"torchrun-node{node}.log"
+            log = open(path, "w")
+            self.log_paths.append(path)
+            self._logs.append(log)
+            self.agents.append(subprocess.Popen(
+                launch + serve, env=e, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True))
+            if rdzv != "static" and node == 0:
+                time.sleep(1.0)  # agent 0 hosts the c10d store: let it bind first
+        self.proc = self.agents[0]
+
+    def log(self, node: int = 0) -> str:
+        if not self._logs[node].closed:
+            self._logs[node].flush()
+        return self.log_paths[node].read_text(errors="replace")
+
+    def logs(self) -> str:
+        return "\n".join(self.log(i) for i in range(len(self.agents)))
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for a in self.agents:
+                if a.poll() is not None:
+                    raise AssertionError(f"torchrun exited {a.returncode}:\n{self.logs()[-8000:]}")
+            if self.health() == 200:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"server not ready after {timeout}s:\n{self.logs()[-8000:]}")
+
+    def tree(self) -> list[psutil.Process]:
+        """Agents and all their descendants (ranks are children of an agent, each in its
+        own session), plus any other process that still carries this run's tag."""
+        found: dict[int, psutil.Process] = {}
+        for a in self.agents:
+            try:
+                root = psutil.Process(a.pid)
+                for p in [root, *root.children(recursive=True)]:
+                    found[p.pid] = p
+            except psutil.NoSuchProcess:
+                pass
+        for p in tagged_processes(self.tag):
+            found.setdefault(p.pid, p)
+        return list(found.values())
+
+    def wait_agents(self, timeout: float) -> list[int | None]:
+        """Each agent's exit code (None if still running after ``timeout`` in all)."""
+        deadline = time.monotonic() + timeout
+        for a in self.agents:
+            try:
+                a.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [a.poll() for a in self.agents]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
+        """Signal every agent, wait, then kill whatever is left (tagged). Agent 0's code."""
+        for a in self.agents:
+            if a.poll() is None:
+                a.send_signal(sig)
+        self.wait_agents(timeout)
+        for a in self.agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+        self.kill_leftovers()
+        for log in self._logs:
+            log.close()
+        return self.agents[0].poll()
+
+    def kill_leftovers(self) -> list[str]:
+        """Kill (and name) any tagged process still running: the test fails on them."""
+        left = self.tree()
+        for p in left:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(left, timeout=10)
+        return [f"{p.pid} {p.name()}" for p in left]

@@ -1,0 +1,239 @@
+"""torchrun mode against real torchrun agents, real vLLM servers, real clients.
+
+One node: ``torchrun --nproc-per-node 2 -m keepalive_executor serve``. Several nodes: two
+agents on this machine (``--nnodes 2 --nproc-per-node 1``), rendezvous on loopback; each
+agent gets its own CPU binding, as each machine would.
+"""
+
+import signal
+import time
+
+import pytest
+from helpers import Server, TorchrunServer, left_after
+from test_serve import ask
+
+TIMEOUT = "5"  # --distributed-timeout-seconds; the keepalive interval is then 1.25 s
+IDLE_S = 16.0  # more than three times the timeout
+ARGS = ["--distributed-timeout-seconds", TIMEOUT]
+# Node 1's only rank (local rank 0) takes CPU 1: vLLM indexes the list by local rank.
+TWO_NODES = [{"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, {"VLLM_CPU_OMP_THREADS_BIND": "1|0"}]
+
+
+def spawned_answers(model: str, tmp_path) -> dict:
+    """The same questions to the executor-spawned mode (`vllm serve`), for comparison."""
+    server = Server(model, tmp_path / "spawned.log", extra_args=ARGS)
+    try:
+        server.wait_ready()
+        return ask(server.client())
+    finally:
+        server.stop()
+
+
+def wait_unhealthy(server: TorchrunServer, within: float) -> float:
+    """Seconds until /health stops answering 200 (fails the test after ``within``)."""
+    start = time.monotonic()
+    while time.monotonic() - start < within:
+        if server.health() != 200:
+            return time.monotonic() - start
+        time.sleep(0.1)
+    raise AssertionError(f"still healthy {within}s after the fault:\n{server.logs()[-6000:]}")
+
+
+@pytest.mark.slow
+def test_one_node_serves_like_spawned_mode_survives_idle_and_stops(tiny_model, tmp_path):
+    expected = spawned_answers(tiny_model, tmp_path)
+    server = TorchrunServer(tiny_model, tmp_path, extra_args=ARGS)
+    try:
+        server.wait_ready()
+        procs = server.tree()
+        titles = sorted(p.name() for p in procs)
+        assert any("KeepaliveWorker_TP1" in t for t in titles), titles
+        client = server.client()
+        before = ask(client)
+        assert before == expected  # greedy answers equal the executor-spawned mode's
+        assert before["stream_chunks"] > 1
+        time.sleep(IDLE_S)
+        assert server.health() == 200
+        assert ask(client) == before
+        log = server.log()
+        assert "keepalive torchrun mode: configuration published for ranks 1..1" in log
+        assert "rank 1 of 2 (local rank 1) follows the driver" in log
+        # SIGTERM to torchrun, as a job scheduler stops it: every rank exits, torchrun returns.
+        t0 = time.monotonic()
+        server.agents[0].send_signal(signal.SIGTERM)
+        codes = server.wait_agents(60)
+        took = time.monotonic() - t0
+        left = left_after(procs, 10)
+        log = server.log()
+    finally:
+        server.stop()
+    assert codes[0] is not None, "torchrun did not return within 60 s of SIGTERM"
+    assert left == [], f"processes left after torchrun returned: {left}"
+    assert took < 30, took  # below torchrun's own 30 s SIGKILL escalation
+    # Rank 1 stopped as asked, not as a failure: no error from its loop, no failure report.
+    assert "keepalive worker rank 1 stops" not in log
+    assert "ChildFailedError" not in log
+
+
+@pytest.mark.slow
+def test_one_node_negative_control_without_keepalive_the_follower_times_out(tiny_model, tmp_path):
+    """Same launch and idle with the pacer off (test-only switch): the ranks must fail."""
+    server = TorchrunServer(tiny_model, tmp_path, extra_args=ARGS,
+                            extra_env={"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"})
+    try:
+        procs = server.tree()
+        try:
+            # Without the pacer the follower's wait runs from its last start-up call on, so
+            # on a slow machine the server may already be going down here: also the failure.
+            server.wait_ready()
+            procs = server.tree()
+        except AssertionError:
+            pass
+        codes = server.wait_agents(IDLE_S + 30)
+        left = left_after(procs, 10)
+        log = server.log()
+    finally:
+        server.stop()
+    assert codes[0] not in (None, 0), f"torchrun still up or exited 0 without keepalives: {codes}"
+    assert "Timed out waiting 5000ms" in log
+    assert left == []
+
+
+@pytest.mark.slow
+def test_one_node_rank1_death_fails_the_server_and_torchrun(tiny_model, tmp_path):
+    server = TorchrunServer(tiny_model, tmp_path, extra_args=ARGS)
+    try:
+        server.wait_ready()
+        procs = server.tree()
+        ask(server.client())
+        rank1 = [p for p in procs if "KeepaliveWorker_TP1" in p.name()]
+        assert len(rank1) == 1, [p.name() for p in procs]
+        rank1[0].kill()
+        unhealthy_after = wait_unhealthy(server, 30)
+        codes = server.wait_agents(60)
+        left = left_after(procs, 10)
+        log = server.log()
+    finally:
+        server.stop()
+    assert unhealthy_after < 30
+    assert codes[0] not in (None, 0), codes
+    assert "ChildFailedError" in log or "FAILED" in log
+    assert left == []
+
+
+@pytest.mark.slow
+def test_one_node_max_restarts_brings_the_server_back_after_rank1_dies(tiny_model, tmp_path):
+    """torchrun --max-restarts 1: the whole world restarts on a fresh attempt and serves the
+    same answers. (With the default 0, the same death fails torchrun: the test above.)"""
+    server = TorchrunServer(tiny_model, tmp_path, extra_args=ARGS,
+                            launch_args=["--max-restarts", "1"])
+    try:
+        server.wait_ready()
+        before = ask(server.client())
+        [rank1] = [p for p in server.tree() if "KeepaliveWorker_TP1" in p.name()]
+        rank1.kill()
+        wait_unhealthy(server, 30)
+        server.wait_ready(timeout=180)
+        after = ask(server.client())
+        log = server.log()
+        procs = server.tree()
+        code = server.stop()
+        left = left_after(procs, 10)
+    finally:
+        server.stop()
+    assert after == before
+    # Attempt 1 met on its own keys (the store is torchrun's, kept across restarts).
+    assert log.count("keepalive torchrun mode: configuration published") == 2
+    assert code is not None
+    assert left == []
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["-tp", "1"], "torchrun started WORLD_SIZE=2 ranks but vLLM's configuration needs 1"),
+    (["-tp", "2", "--distributed-executor-backend", "mp"],
+     "under torchrun the executor is keepalive"),
+])
+def test_bad_launch_is_a_clear_error_on_every_rank(tiny_model, tmp_path, bad, message):
+    server = TorchrunServer(tiny_model, tmp_path, extra_args=[*ARGS, *bad])
+    # The last -tp wins in vLLM's parser, so "-tp 1" overrides the helper's "-tp 2".
+    try:
+        procs = server.tree()
+        codes = server.wait_agents(120)
+        left = left_after(procs, 10)
+        log = server.log()
+    finally:
+        server.stop()
+    assert codes[0] not in (None, 0), codes
+    assert message in log
+    assert "rank 1 not starting: rank 0 reported" in log  # the other rank says why, too
+    assert "Starting to load model" not in log  # refused before any weights load
+    assert left == []
+
+
+@pytest.mark.slow
+def test_two_nodes_serve_idle_then_losing_node1_fails_the_server(tiny_model, tmp_path):
+    server = TorchrunServer(tiny_model, tmp_path, nnodes=2, nproc=1, extra_args=ARGS,
+                            node_env=TWO_NODES)
+    try:
+        server.wait_ready()
+        procs = server.tree()
+        client = server.client()
+        before = ask(client)
+        assert before["stream_chunks"] > 1
+        time.sleep(IDLE_S)
+        assert server.health() == 200
+        assert ask(client) == before
+        assert "rank 1 of 2 (local rank 0) follows the driver" in server.log(1)
+        assert "bound to CPUs [1]" in server.log(1)
+        # The second machine goes away: its agent is killed outright.
+        server.agents[1].kill()
+        unhealthy_after = wait_unhealthy(server, 30)
+        codes = server.wait_agents(60)
+        left = left_after(procs, 10)
+        log0 = server.log(0)
+    finally:
+        server.stop()
+    assert unhealthy_after < 30
+    assert codes[0] not in (None, 0), codes  # node 0's torchrun reports the failure
+    assert "keepalive executor failed" in log0 and "rank 0 exits 1" in log0
+    assert left == [], f"left after node 1 was lost: {left}"
+
+
+@pytest.mark.slow
+def test_two_nodes_stopping_the_driver_node_in_drain_mode_ends_node1_cleanly(tiny_model,
+                                                                            tmp_path):
+    """SIGTERM to node 0's agent only, drain mode: the driver's SHUTDOWN reaches node 1,
+    whose rank exits 0, so node 1's torchrun returns 0 and nothing is left on either."""
+    server = TorchrunServer(tiny_model, tmp_path, nnodes=2, nproc=1,
+                            extra_args=[*ARGS, "--shutdown-timeout", "10"], node_env=TWO_NODES)
+    try:
+        server.wait_ready()
+        procs = server.tree()
+        assert ask(server.client())["completion"]
+        server.agents[0].send_signal(signal.SIGTERM)
+        codes = server.wait_agents(60)
+        left = left_after(procs, 10)
+        log1 = server.log(1)
+    finally:
+        server.stop()
+    assert codes[1] == 0, (codes, log1[-4000:])
+    assert "rank 1: SHUTDOWN from the driver" in log1
+    assert left == []
+
+
+@pytest.mark.slow
+def test_two_nodes_c10d_rendezvous_serves(tiny_model, tmp_path):
+    """torchrun's dynamic (c10d) rendezvous: rank 0, hence the server, may be on either."""
+    server = TorchrunServer(tiny_model, tmp_path, nnodes=2, nproc=1, extra_args=ARGS,
+                            node_env=TWO_NODES, rdzv="c10d")
+    try:
+        server.wait_ready()
+        procs = server.tree()
+        answers = ask(server.client())
+        code = server.stop()
+        left = left_after(procs, 10)
+    finally:
+        server.stop()
+    assert answers["completion"] and answers["stream_chunks"] > 1
+    assert code is not None
+    assert left == []

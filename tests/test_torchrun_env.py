@@ -1,0 +1,183 @@
+"""torchrun mode's pure parts: reading torchrun's environment, the backend flag, keys."""
+
+import subprocess
+import sys
+
+import pytest
+
+from keepalive_executor.config import KeepaliveConfigError
+from keepalive_executor.torchrun import (
+    TorchrunEnv,
+    TorchrunError,
+    check_world_size,
+    in_torchrun_mode,
+    with_keepalive_backend,
+)
+
+GOOD = {
+    "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5",
+    "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "3",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+}
+
+
+def test_reads_torchrun_environment():
+    env = TorchrunEnv.from_environ(GOOD)
+    assert (env.rank, env.local_rank, env.world_size) == (1, 0, 2)
+    assert env.address == "10.0.0.5:29500"
+    # Keys are private to the run and the restart attempt.
+    assert env.key("bootstrap") == "keepalive_executor/job7/3/bootstrap"
+    assert TorchrunEnv.from_environ({**GOOD, "MASTER_ADDR": "fd00::1"}).address == "[fd00::1]:29500"
+
+
+def test_group_label_is_unique_per_call_and_names_the_attempt():
+    env = TorchrunEnv.from_environ(GOOD)
+    a, b = env.group_label(), env.group_label()
+    assert a != b
+    assert a.startswith("torchrun://10.0.0.5:29500:ka3-")
+    # vLLM's CPU worker names its shared memory after the text following the last ":".
+    assert "/" not in a.split(":")[-1]
+
+
+@pytest.mark.parametrize("drop", ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                  "MASTER_PORT"])
+def test_missing_variable_names_it_and_says_how_to_launch(drop):
+    env = {k: v for k, v in GOOD.items() if k != drop}
+    with pytest.raises(TorchrunError, match=f"{drop} not set.*torchrun --nproc-per-node"):
+        TorchrunEnv.from_environ(env)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"RANK": "2"}, "outside WORLD_SIZE=2"),
+    ({"RANK": "x"}, "malformed"),
+    ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, "agent store"),
+])
+def test_unusable_environment_is_refused(change, match):
+    with pytest.raises(TorchrunError, match=match):
+        TorchrunEnv.from_environ({**GOOD, **change})
+
+
+def test_backend_flag_is_added_kept_or_refused():
+    assert with_keepalive_backend(["m", "-tp", "2"])[-2:] == [
+        "--distributed-executor-backend", "keepalive"]
+    kept = ["m", "--distributed-executor-backend", "keepalive"]
+    assert with_keepalive_backend(kept) == kept
+    assert with_keepalive_backend(["m", "--distributed_executor_backend=keepalive"]) == [
+        "m", "--distributed_executor_backend=keepalive"]
+    for bad in (["m", "--distributed-executor-backend", "mp"],
+                ["m", "--distributed-executor-backend=ray"]):
+        with pytest.raises(TorchrunError, match="under torchrun the executor is keepalive"):
+            with_keepalive_backend(bad)
+
+
+class _Parallel:
+    def __init__(self, tp):
+        self.world_size = self.tensor_parallel_size = tp
+
+
+def test_world_size_must_equal_tp():
+    check_world_size(_Parallel(2), GOOD)
+    with pytest.raises(KeepaliveConfigError, match="WORLD_SIZE=2 ranks but .* needs 4.*-tp 2"):
+        check_world_size(_Parallel(4), GOOD)
+
+
+def test_mode_marker():
+    assert in_torchrun_mode({"KEEPALIVE_EXECUTOR_LAUNCHER": "torchrun"})
+    assert not in_torchrun_mode({})
+
+
+def test_entry_point_outside_torchrun_is_a_clear_usage_error():
+    env = {"PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "keepalive_executor", "serve", "m"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "must run under torchrun; RANK, LOCAL_RANK" in proc.stderr
+    bad = subprocess.run([sys.executable, "-m", "keepalive_executor", "bogus"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown command 'bogus'" in bad.stderr
+
+
+# ---------------------------------------------------------------- bootstrap on a real store
+
+
+@pytest.fixture
+def store_env():
+    """A real TCPStore server on loopback (what torchrun's agent hosts) and a rank-1 view."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = TCPStore("127.0.0.1", port, is_master=True,
+                      timeout=datetime.timedelta(seconds=10))
+    env = TorchrunEnv.from_environ({**GOOD, "MASTER_ADDR": "127.0.0.1",
+                                    "MASTER_PORT": str(port)})
+    yield server, env
+
+
+def test_bootstrap_first_poster_wins_and_round_trips(store_env):
+    from keepalive_executor.torchrun import connect_store, post_bootstrap, wait_bootstrap
+
+    store, env = store_env
+    client = connect_store(env, timeout_s=10)
+    assert post_bootstrap(store, env, {"vllm_config": {"model": "m"}, "settings": {"x": 1}})
+    assert not post_bootstrap(store, env, {"error": "too late"})  # the first stays
+    boot = wait_bootstrap(client, env, timeout_s=5)
+    assert boot["vllm_config"] == {"model": "m"} and boot["settings"] == {"x": 1}
+
+
+def test_bootstrap_wait_times_out_with_a_clear_error(store_env):
+    from keepalive_executor.torchrun import wait_bootstrap
+
+    store, env = store_env
+    with pytest.raises(TorchrunError, match="rank 0 published no configuration within 1.5s"):
+        wait_bootstrap(store, env, timeout_s=1.5)
+
+
+def test_bootstrap_from_another_version_is_refused(store_env):
+    import pickle
+
+    from keepalive_executor.torchrun import wait_bootstrap
+
+    store, env = store_env
+    store.set(env.key("bootstrap"), pickle.dumps({"version": 99, "error": None}))
+    with pytest.raises(TorchrunError, match="bootstrap version 99.*same keepalive-executor"):
+        wait_bootstrap(store, env, timeout_s=5)
+
+
+def test_error_post_waits_for_the_other_ranks_to_have_read_it(store_env):
+    import threading
+    import time
+
+    from keepalive_executor.torchrun import post_error, wait_bootstrap
+
+    store, env = store_env
+    seen = {}
+
+    def follower():
+        boot = wait_bootstrap(store, env, timeout_s=10)
+        time.sleep(0.5)  # a slow reader: rank 0 must still be there when it acknowledges
+        store.add(env.key("error-seen"), 1)
+        seen["error"] = boot["error"]
+
+    t = threading.Thread(target=follower)
+    t.start()
+    t0 = time.monotonic()
+    assert post_error(store, env, "boom", wait_s=10)
+    waited = time.monotonic() - t0
+    t.join(10)
+    assert seen == {"error": "boom"}
+    assert 0.4 < waited < 9  # waited for the acknowledgement, not for the whole bound
+    # After the configuration went out, a later error does not wait for acknowledgements.
+    store2_env = TorchrunEnv.from_environ({**GOOD, "MASTER_ADDR": "127.0.0.1",
+                                           "MASTER_PORT": str(env.master_port),
+                                           "TORCHELASTIC_RESTART_COUNT": "4"})
+    from keepalive_executor.torchrun import post_bootstrap
+
+    post_bootstrap(store, store2_env, {"vllm_config": {}, "settings": {}})
+    t0 = time.monotonic()
+    assert not post_error(store, store2_env, "late", wait_s=10)
+    assert time.monotonic() - t0 < 2
