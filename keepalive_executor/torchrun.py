@@ -259,17 +259,18 @@ def post_error(store: Any, env: TorchrunEnv, message: str, wait_s: float = 0.0) 
 
 
 def wait_bootstrap(store: Any, env: TorchrunEnv, timeout_s: float) -> dict[str, Any]:
-    """Wait (in short slices, so signals are handled) for rank 0's bootstrap."""
+    """Poll (so that signals are handled, and without the warning torch logs for every
+    timed-out ``wait``) for rank 0's bootstrap."""
     key = env.key("bootstrap")
     deadline = time.monotonic() + timeout_s
     next_note = time.monotonic() + 30
     while True:
         try:
-            store.wait([key], datetime.timedelta(seconds=1))
-            break
-        except Exception as e:  # noqa: BLE001 - torch raises DistStoreError on timeout
-            if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
-                raise TorchrunError(f"torchrun's store at {env.address} failed: {e}") from e
+            if store.check([key]):
+                break
+        except Exception as e:  # noqa: BLE001 - the agent (and its store) went away
+            raise TorchrunError(f"torchrun's store at {env.address} failed: {e}") from e
+        time.sleep(0.1)
         now = time.monotonic()
         if now >= deadline:
             raise TorchrunError(

@@ -122,6 +122,28 @@ def test_one_node_rank1_death_fails_the_server_and_torchrun(tiny_model, tmp_path
 
 
 @pytest.mark.slow
+def test_one_node_engine_crash_ends_every_rank_and_torchrun(tiny_model, tmp_path):
+    """Rank 0's engine process is killed outright: rank 1 loses the driver unasked and
+    exits 1, torchrun stops what is left and returns non-zero, nothing is left behind."""
+    server = TorchrunServer(tiny_model, tmp_path, extra_args=ARGS)
+    try:
+        server.wait_ready()
+        procs = server.tree()
+        ask(server.client())
+        [engine] = [p for p in procs if "EngineCore" in p.name()]
+        engine.kill()
+        wait_unhealthy(server, 30)
+        codes = server.wait_agents(60)
+        left = left_after(procs, 10)
+        log = server.log()
+    finally:
+        server.stop()
+    assert codes[0] not in (None, 0), codes
+    assert "keepalive worker rank 1 stops" in log  # it lost the driver without a stop request
+    assert left == []
+
+
+@pytest.mark.slow
 def test_one_node_max_restarts_brings_the_server_back_after_rank1_dies(tiny_model, tmp_path):
     """torchrun --max-restarts 1: the whole world restarts on a fresh attempt and serves the
     same answers. (With the default 0, the same death fails torchrun: the test above.)"""
