@@ -11,6 +11,11 @@ or a burst of outside load on this shared machine lands on both backends alike):
 
     keepalive TP=2, mp TP=2, keepalive TP=2, mp TP=2, ..., then TP=1 (no backend flag, floor)
 
+With ``--with-torchrun`` each round also runs the torchrun mode right after keepalive:
+``python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 --master-port
+<free> -m keepalive_executor serve <same options> -tp 2`` (docs/torchrun.md). Its process tree
+is rooted at torchrun's agent and includes it.
+
 For each configuration, one ``vllm serve`` of the tiny local model
 (``python -m keepalive_executor.tiny_model``) is started in its own session/process group
 (``--enforce-eager --max-model-len 256 --max-num-seqs 8 --gpu-memory-utilization 0.2``,
@@ -96,6 +101,8 @@ class Config:
 
 
 KEEPALIVE = Config("keepalive-tp2", "keepalive", 2)
+# Same executor, ranks started by torchrun (`torchrun -m keepalive_executor serve`).
+TORCHRUN = Config("torchrun-tp2", "torchrun", 2)
 MP = Config("mp-tp2", "mp", 2)
 TP1 = Config("tp1", "none", 1)
 
@@ -166,13 +173,22 @@ class Server:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        args = [
-            *vllm_cmd(), "serve", model,
+        serve = [
+            "serve", model,
             "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
             "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
             "--gpu-memory-utilization", "0.2", "--seed", "0",
         ]
-        if cfg.tp > 1:
+        if cfg.backend == "torchrun":
+            # torchrun's agent is the root of the tree; its ranks (own sessions) are its
+            # children, so tree() and the idle CPU figure include all of them.
+            args = [sys.executable, "-m", "torch.distributed.run",
+                    "--nproc-per-node", str(cfg.tp), "--master-addr", "127.0.0.1",
+                    "--master-port", str(free_port()), "-m", "keepalive_executor",
+                    *serve, "-tp", str(cfg.tp)]
+        else:
+            args = [*vllm_cmd(), *serve]
+        if cfg.tp > 1 and cfg.backend != "torchrun":
             args += ["-tp", str(cfg.tp), "--distributed-executor-backend", cfg.backend]
         self.args = args
         self._log = open(log_path, "w")  # closed in stop()
@@ -515,6 +531,22 @@ def versions() -> dict[str, str]:
     return out
 
 
+def paired_ratios(results: list[RunResult], num: Config, den: Config,
+                  rounds: int) -> list[dict[str, float]]:
+    """Per round, ``num``'s throughput and median TPOT over ``den``'s (adjacent runs)."""
+    out = []
+    for rnd in range(1, rounds + 1):
+        a = next((r for r in results if r.config == num.name and r.round == rnd), None)
+        b = next((r for r in results if r.config == den.name and r.round == rnd), None)
+        if a and b and a.ok and b.ok:
+            out.append({
+                "round": rnd,
+                "throughput": (a.output_tok_s or 0) / (b.output_tok_s or 1),
+                "tpot": (a.median_tpot_ms or 0) / (b.median_tpot_ms or 1),
+            })
+    return out
+
+
 def report(results: list[RunResult], meta: dict[str, Any], args: argparse.Namespace) -> dict:
     v = meta["versions"]
     print("# bench_serve: vllm serve, keepalive executor vs mp executor (TP=2), TP=1 floor\n")
@@ -581,7 +613,9 @@ def report(results: list[RunResult], meta: dict[str, Any], args: argparse.Namesp
     print("| backend | TP | runs ok | output tok/s | median TTFT ms | median TPOT ms | "
           "idle CPU % of a core | processes | RSS GB |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for cfg in (KEEPALIVE, MP, TP1):
+    for cfg in (KEEPALIVE, TORCHRUN, MP, TP1):
+        if cfg is TORCHRUN and not args.with_torchrun:
+            continue
         rs = [r for r in results if r.config == cfg.name and r.ok]
         n_all = len([r for r in results if r.config == cfg.name])
         s = {
@@ -607,20 +641,24 @@ def report(results: list[RunResult], meta: dict[str, Any], args: argparse.Namesp
           f"mean TPOT {ratio(ka['mean_tpot_ms'], mp_['mean_tpot_ms'])}, "
           f"median TTFT {ratio(ka['median_ttft_ms'], mp_['median_ttft_ms'])}, "
           f"idle CPU {ratio(ka['idle_cpu_pct'], mp_['idle_cpu_pct'])}")
-    paired = []
-    for rnd in range(1, args.rounds + 1):
-        a = next((r for r in results if r.config == KEEPALIVE.name and r.round == rnd), None)
-        b = next((r for r in results if r.config == MP.name and r.round == rnd), None)
-        if a and b and a.ok and b.ok:
-            paired.append({
-                "round": rnd,
-                "throughput": (a.output_tok_s or 0) / (b.output_tok_s or 1),
-                "tpot": (a.median_tpot_ms or 0) / (b.median_tpot_ms or 1),
-            })
+    paired = paired_ratios(results, KEEPALIVE, MP, args.rounds)
     if paired:
         print("Per round keepalive/mp (runs of a round are adjacent in time): " + "; ".join(
             f"round {p['round']}: throughput {p['throughput']:.3f}x, TPOT {p['tpot']:.3f}x"
             for p in paired))
+    if args.with_torchrun:
+        tr = summary[TORCHRUN.name]
+        print("Ratios torchrun mode (of the means): "
+              f"throughput {ratio(tr['output_tok_s'], ka['output_tok_s'])} of keepalive's, "
+              f"{ratio(tr['output_tok_s'], mp_['output_tok_s'])} of mp's; median TPOT "
+              f"{ratio(tr['median_tpot_ms'], ka['median_tpot_ms'])} of keepalive's, "
+              f"{ratio(tr['median_tpot_ms'], mp_['median_tpot_ms'])} of mp's; idle CPU "
+              f"{ratio(tr['idle_cpu_pct'], ka['idle_cpu_pct'])} of keepalive's")
+        tr_paired = paired_ratios(results, TORCHRUN, KEEPALIVE, args.rounds)
+        if tr_paired:
+            print("Per round torchrun/keepalive: " + "; ".join(
+                f"round {p['round']}: throughput {p['throughput']:.3f}x, TPOT {p['tpot']:.3f}x"
+                for p in tr_paired))
     print("Vs TP=1 floor (of the means): "
           f"keepalive throughput {ratio(ka['output_tok_s'], tp1['output_tok_s'])}, "
           f"mp throughput {ratio(mp_['output_tok_s'], tp1['output_tok_s'])}; "
@@ -686,9 +724,13 @@ def plot(summary: dict[str, Any], results: list[RunResult], path: Path,
     tpot: list[float] = []
     colors: list[str] = []
     dots: list[tuple[list[float], list[float]]] = []
-    palette = {"keepalive-tp2": "tab:green", "mp-tp2": "tab:blue", "tp1": "tab:gray"}
-    names = {"keepalive-tp2": "keepalive\nTP=2", "mp-tp2": "mp\nTP=2", "tp1": "TP=1\n(floor)"}
-    for key in ("keepalive-tp2", "mp-tp2", "tp1"):
+    palette = {"keepalive-tp2": "tab:green", "torchrun-tp2": "tab:olive", "mp-tp2": "tab:blue",
+               "tp1": "tab:gray"}
+    names = {"keepalive-tp2": "keepalive\nTP=2", "torchrun-tp2": "keepalive\ntorchrun TP=2",
+             "mp-tp2": "mp\nTP=2", "tp1": "TP=1\n(floor)"}
+    for key in ("keepalive-tp2", "torchrun-tp2", "mp-tp2", "tp1"):
+        if key not in summary:
+            continue
         s = summary.get(key, {})
         labels.append(f"{names[key]}\n(n={s.get('runs_ok', 0)})")
         thr.append(s.get("output_tok_s") or 0.0)
@@ -730,6 +772,8 @@ def parse_args() -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rounds", type=int, default=2, help="rounds of keepalive/mp TP=2")
     p.add_argument("--no-tp1", action="store_true", help="skip the TP=1 floor")
+    p.add_argument("--with-torchrun", action="store_true",
+                   help="also the torchrun mode (torchrun -m keepalive_executor serve) each round")
     p.add_argument("--idle-seconds", type=float, default=20.0, help="idle CPU window")
     p.add_argument("--idle-settle-seconds", type=float, default=2.0,
                    help="pause between the benchmark's end and the idle window")
@@ -776,7 +820,8 @@ def main() -> int:
     }
     plan: list[tuple[Config, int]] = []
     for rnd in range(1, args.rounds + 1):
-        plan += [(KEEPALIVE, rnd), (MP, rnd)]
+        plan += [(KEEPALIVE, rnd), *([(TORCHRUN, rnd)] if args.with_torchrun else []),
+                 (MP, rnd)]
     if not args.no_tp1:
         plan.append((TP1, 1))
     results: list[RunResult] = []
