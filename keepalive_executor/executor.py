@@ -233,6 +233,9 @@ class KeepaliveExecutor(Executor):
         if self._torchrun is None:
             for rank in range(1, self.world_size):
                 self.workers.append(spawn_worker(self.vllm_config, rank, common))
+            # Rendezvous only once every worker is up: the process-group rendezvous waits
+            # at most the collective timeout, shorter than a cold start can take.
+            wait_for_ready(self.workers, STARTUP_TIMEOUT_S, status="ALIVE")
         else:
             self._post_bootstrap()
 

@@ -1,8 +1,9 @@
 """Start, watch and stop the executor's worker processes (ranks 1..N-1).
 
-* **ready handshake**: each worker sends ``{"status": "READY"}`` on its ready pipe once it has
-  joined the process groups and built its channel. :func:`wait_for_ready` waits for every
-  pipe *and* every process sentinel, so a worker that dies during start-up is reported at
+* **ready handshake**: each worker sends ``{"status": "ALIVE"}`` on its ready pipe once it is
+  constructed (before the rendezvous, which the driver then joins) and ``{"status": "READY"}``
+  once it has joined the process groups and built its channel. :func:`wait_for_ready` waits
+  for every pipe *and* every process sentinel, so a worker that dies during start-up is reported at
   once, naming its rank and exit code, rather than after a timeout.
 * **death detection**: :class:`WorkerMonitor` (thread ``keepalive-worker-monitor``) waits on
   the sentinels and calls back with the first rank that exits.
@@ -97,8 +98,9 @@ def spawn_worker(vllm_config: Any, rank: int, worker_kwargs: dict[str, Any]) -> 
     return WorkerHandle(rank=rank, proc=proc, ready_pipe=ready_reader, death_writer=death_writer)
 
 
-def wait_for_ready(workers: list[WorkerHandle], timeout_s: float) -> None:
-    """Block until every worker said READY; raise naming the first that died or hung."""
+def wait_for_ready(workers: list[WorkerHandle], timeout_s: float, status: str = "READY") -> None:
+    """Block until every worker sent ``status`` (ALIVE, then READY); raise naming the first
+    that died or hung. The pipes stay open after ALIVE and are closed after READY."""
     pending = {w.ready_pipe: w for w in workers if w.ready_pipe is not None}
     sentinels = {w.proc.sentinel: w for w in workers}
     deadline = time.monotonic() + timeout_s
@@ -107,7 +109,7 @@ def wait_for_ready(workers: list[WorkerHandle], timeout_s: float) -> None:
         if left <= 0:
             ranks = sorted(w.rank for w in pending.values())
             raise WorkerStartupError(
-                f"keepalive workers {ranks} not ready after {timeout_s:g}s"
+                f"keepalive workers {ranks} not {status} after {timeout_s:g}s"
             )
         ready = multiprocessing.connection.wait([*pending, *sentinels], timeout=left)
         for obj in ready:
@@ -121,11 +123,14 @@ def wait_for_ready(workers: list[WorkerHandle], timeout_s: float) -> None:
                         f"keepalive worker rank {w.rank} exited during start-up "
                         f"(exit code {w.proc.exitcode}); see its log above"
                     ) from None
-                if msg.get("status") != "READY":
-                    raise WorkerStartupError(f"worker rank {w.rank} sent {msg!r}")
+                if msg.get("status") != status:
+                    raise WorkerStartupError(
+                        f"worker rank {w.rank} sent {msg!r}, expected {status}"
+                    )
                 w.pid = msg.get("pid")
-                obj.close()
-                w.ready_pipe = None
+                if status == "READY":
+                    obj.close()
+                    w.ready_pipe = None
             elif obj in sentinels:
                 w = sentinels.pop(obj)
                 if w.ready_pipe in pending:

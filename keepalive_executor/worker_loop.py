@@ -2,8 +2,12 @@
 
 A worker process (ranks 1..N-1) goes through::
 
-    start -> init_worker -> init_device (joins the process groups) -> build channel
-          -> READY on the ready pipe -> receive loop -> SHUTDOWN -> clean exit (code 0)
+    start -> init_worker -> ALIVE on the ready pipe -> init_device (joins the process
+          groups) -> build channel -> READY -> receive loop -> SHUTDOWN -> exit (code 0)
+
+The driver joins the process groups only after every worker said ALIVE: the rendezvous
+waits at most the collective timeout, which may be seconds, while a worker's start-up
+(a fresh interpreter importing vLLM on a loaded machine) may take longer.
 
 In the receive loop a KEEPALIVE is "nothing to do": the worker goes straight back to waiting.
 A PAYLOAD is an :class:`~keepalive_executor.rpc.RpcRequest`; the worker runs it on its vLLM
@@ -160,11 +164,14 @@ def run_worker(
     shared_worker_lock: Any,
     on_ready: Any,
     stop_requested: threading.Event,
+    on_constructed: Any = None,
 ) -> int:
     """Build this rank's vLLM worker, follow the driver, clean up; return the exit code.
 
     ``stop_requested`` is set by whoever asked this rank to stop (a signal): once it is
     set, a channel that breaks (the driver went away) is a normal end, code 0.
+    ``on_constructed()`` runs once the worker exists (imports done), just before it joins
+    the process groups; ``on_ready()`` once it has joined them and built its channel.
     """
     from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
     from vllm.logger import configure_logging_if_needed
@@ -187,6 +194,8 @@ def run_worker(
             shared_worker_lock=shared_worker_lock,
         )
         wrapper.init_worker(all_kwargs)
+        if on_constructed is not None:
+            on_constructed()
         wrapper.init_device()
         channel, reply_group = make_channel(transport, inline_bytes, max_payload_bytes)
         on_ready()
@@ -241,9 +250,13 @@ def worker_main(
     set_process_title(name=f"KeepaliveWorker_TP{rank}")
     decorate_logs(f"KeepaliveWorker_TP{rank}")
 
+    def alive() -> None:
+        ready_pipe.send({"status": "ALIVE", "rank": rank, "pid": os.getpid()})
+
     def ready() -> None:
         ready_pipe.send({"status": "READY", "rank": rank, "pid": os.getpid()})
         ready_pipe.close()
 
-    code = run_worker(rank=rank, on_ready=ready, stop_requested=shutting_down, **worker_kwargs)
+    code = run_worker(rank=rank, on_ready=ready, on_constructed=alive,
+                      stop_requested=shutting_down, **worker_kwargs)
     os._exit(code)

@@ -80,6 +80,24 @@ def llm_generate(model: str, tp: int, backend: str | None, max_tokens: int = 24,
     return result
 
 
+def slow_start(model: str, timeout_s: int) -> dict:
+    """Start TP=2 with rank 1 slow to start (see fault_injection.SlowStartCPUWorker) and a
+    collective timeout shorter than the delay; generate if it started."""
+    set_binding(2)
+    from vllm import LLM, SamplingParams
+
+    t0 = time.monotonic()
+    try:
+        llm = LLM(**engine_kwargs(model, 2, "keepalive", distributed_timeout_seconds=timeout_s,
+                                  worker_cls="fault_injection.SlowStartCPUWorker"))
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return {"started": False, "error": f"{type(e).__name__}: {e}",
+                "elapsed_s": time.monotonic() - t0}
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    return {"started": True, "tokens": len(out[0].outputs[0].token_ids),
+            "elapsed_s": time.monotonic() - t0}
+
+
 async def _stream(engine: Any, prompt: str, rid: str, max_tokens: int,
                   abort_after: int | None = None) -> dict:
     from vllm import SamplingParams

@@ -6,6 +6,13 @@ directory named by ``KEEPALIVE_FAULT_DIR``, so a test can arm them while the ser
 * ``stall_schedule``    the engine loop sleeps N seconds in its next schedule(), outside any step
 
 Each file is removed when it fires, so a fault fires once.
+
+Start-up delays of rank 1 (environment, inherited by its process), for
+:class:`SlowStartCPUWorker`:
+
+* ``KEEPALIVE_SLOW_CONSTRUCT_S``  sleep while the worker is being constructed, as a cold
+  interpreter importing vLLM on a loaded machine does (before the worker says ALIVE)
+* ``KEEPALIVE_SLOW_RENDEZVOUS_S`` sleep just before it joins the process groups (after ALIVE)
 """
 
 from __future__ import annotations
@@ -49,3 +56,17 @@ class StallingScheduler(Scheduler):
         if seconds is not None:
             time.sleep(float(seconds))
         return super().schedule(*args, **kwargs)
+
+
+class SlowStartCPUWorker(CPUWorker):
+    """A CPUWorker whose rank 1 is slow to start, in one of two places."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.rank == 1:
+            time.sleep(float(os.environ.get("KEEPALIVE_SLOW_CONSTRUCT_S", "0")))
+
+    def init_device(self) -> None:
+        if self.rank == 1:
+            time.sleep(float(os.environ.get("KEEPALIVE_SLOW_RENDEZVOUS_S", "0")))
+        super().init_device()

@@ -1,7 +1,11 @@
 """Run-time faults reaching the executor through vLLM's LLM API."""
 
+import os
+
 import pytest
-from helpers import run_script
+from helpers import HERE, run_script
+
+PYTHONPATH = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
 
 
 def test_oversize_and_unpicklable_arguments_fail_cleanly_and_channel_stays_in_sync(tiny_model):
@@ -27,3 +31,24 @@ def test_stall_inside_a_step_short_survives_long_fails_clearly(tiny_model):
     # fails at once, and the caller gets an error naming the failed collective
     assert res["long_error"] is not None
     assert res["long_elapsed_s"] < 30.0
+
+
+def test_worker_slower_to_start_than_the_collective_timeout_still_starts(tiny_model):
+    """Rank 1 takes 9 s to come up, the collective timeout is 3 s: the driver joins the
+    rendezvous only once rank 1 said ALIVE, so the 3 s never run out before it arrives."""
+    res = run_script("slow_start", model=tiny_model, timeout_s=3, extra_env={
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
+        "KEEPALIVE_SLOW_CONSTRUCT_S": "9"})
+    assert res["started"], res
+    assert res["tokens"] == 4
+    assert res["elapsed_s"] > 9
+
+
+def test_negative_control_the_same_delay_inside_the_rendezvous_fails(tiny_model):
+    """The same 9 s, spent after ALIVE (inside what the rendezvous waits for): the 3 s
+    collective timeout runs out, so the protection above is what makes the difference."""
+    res = run_script("slow_start", model=tiny_model, timeout_s=3, extra_env={
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
+        "KEEPALIVE_SLOW_RENDEZVOUS_S": "9"})
+    assert not res["started"], res
+    assert "Wait timeout" in res["error"]  # gloo's rendezvous gave up, as in the CI failure
