@@ -218,7 +218,8 @@ class TorchrunServer(Server):
     def __init__(self, model: str, log_dir: Path, *, nnodes: int = 1, nproc: int = 2,
                  tp: int = 2, extra_args: list[str] | None = None,
                  extra_env: dict | None = None, node_env: list[dict] | None = None,
-                 rdzv: str = "static", launch_args: list[str] | None = None):
+                 rdzv: str = "static", launch_args: list[str] | None = None,
+                 master_addr: str = "127.0.0.1", node_prefix: list[list[str]] | None = None):
         import uuid
 
         self.port = free_port()
@@ -240,11 +241,13 @@ class TorchrunServer(Server):
                       "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
                       "--monitor-interval", "0.2", *(launch_args or [])]
             if rdzv == "static":
-                launch += ["--node-rank", str(node), "--master-addr", "127.0.0.1",
+                launch += ["--node-rank", str(node), "--master-addr", master_addr,
                            "--master-port", str(rdzv_port)]
             else:
                 launch += ["--rdzv-backend", "c10d", "--rdzv-id", self.tag,
-                           "--rdzv-endpoint", f"127.0.0.1:{rdzv_port}"]
+                           "--rdzv-endpoint", f"{master_addr}:{rdzv_port}"]
+            # e.g. ["ip", "netns", "exec", NS]: that node's agent runs in its own network
+            launch = [*(node_prefix or [[]] * nnodes)[node], *launch]
             e = env(KEEPALIVE_TEST_TAG=self.tag, **(extra_env or {}))
             e.update((node_env or [{}] * nnodes)[node])
             path = log_dir / f"torchrun-node{node}.log"
@@ -326,3 +329,33 @@ class TorchrunServer(Server):
                 pass
         psutil.wait_procs(left, timeout=10)
         return [f"{p.pid} {p.name()}" for p in left]
+
+
+class VethPair:
+    """A second "host" for multi-node tests: a network namespace joined to this one by a
+    veth pair, ``10.77.<n>.1`` here and ``10.77.<n>.2`` there. Needs root and iproute2."""
+
+    def __init__(self) -> None:
+        n = os.getpid() % 200 + 20
+        self.ns = f"ka-test-{os.getpid()}"
+        self.here_if, self.there_if = f"kav{os.getpid() % 100000}h", f"kav{os.getpid() % 100000}t"
+        self.here_ip, self.there_ip = f"10.77.{n}.1", f"10.77.{n}.2"
+        self.prefix = ["ip", "netns", "exec", self.ns]
+
+    def up(self) -> None:
+        def ip(*args: str) -> None:
+            subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+        ip("netns", "add", self.ns)
+        ip("link", "add", self.here_if, "type", "veth", "peer", "name", self.there_if)
+        ip("link", "set", self.there_if, "netns", self.ns)
+        ip("addr", "add", f"{self.here_ip}/24", "dev", self.here_if)
+        ip("link", "set", self.here_if, "up")
+        ip("netns", "exec", self.ns, "ip", "addr", "add", f"{self.there_ip}/24", "dev",
+           self.there_if)
+        ip("netns", "exec", self.ns, "ip", "link", "set", self.there_if, "up")
+        ip("netns", "exec", self.ns, "ip", "link", "set", "lo", "up")
+
+    def down(self) -> None:
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.here_if], capture_output=True)

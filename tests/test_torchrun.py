@@ -6,10 +6,11 @@ agent gets its own CPU binding, as each machine would.
 """
 
 import signal
+import subprocess
 import time
 
 import pytest
-from helpers import Server, TorchrunServer, left_after
+from helpers import Server, TorchrunServer, VethPair, left_after
 from test_serve import ask
 
 TIMEOUT = "5"  # --distributed-timeout-seconds; the keepalive interval is then 1.25 s
@@ -193,7 +194,8 @@ def test_bad_launch_is_a_clear_error_on_every_rank(tiny_model, tmp_path, bad, me
 
 
 @pytest.mark.slow
-def test_two_nodes_serve_idle_then_losing_node1_fails_the_server(tiny_model, tmp_path):
+def test_two_nodes_serve_then_losing_node1_fails_the_server(tiny_model, tmp_path):
+    """Two agents on loopback. (The idle period across two hosts is in the veth test.)"""
     server = TorchrunServer(tiny_model, tmp_path, nnodes=2, nproc=1, extra_args=ARGS,
                             node_env=TWO_NODES)
     try:
@@ -202,8 +204,6 @@ def test_two_nodes_serve_idle_then_losing_node1_fails_the_server(tiny_model, tmp
         client = server.client()
         before = ask(client)
         assert before["stream_chunks"] > 1
-        time.sleep(IDLE_S)
-        assert server.health() == 200
         assert ask(client) == before
         assert "rank 1 of 2 (local rank 0) follows the driver" in server.log(1)
         assert "bound to CPUs [1]" in server.log(1)
@@ -258,4 +258,52 @@ def test_two_nodes_c10d_rendezvous_serves(tiny_model, tmp_path):
         server.stop()
     assert answers["completion"] and answers["stream_chunks"] > 1
     assert code is not None
+    assert left == []
+
+
+@pytest.fixture
+def second_host():
+    """A network namespace as node 1's host; skipped where namespaces cannot be made."""
+    pair = VethPair()
+    try:
+        pair.up()
+    except (OSError, subprocess.CalledProcessError) as e:
+        pair.down()
+        msg = getattr(e, "stderr", "") or str(e)
+        pytest.skip(f"no network namespace for a second host (needs root, iproute2): {msg}")
+    yield pair
+    pair.down()
+
+
+@pytest.mark.slow
+def test_two_hosts_over_veth_serve_idle_then_losing_host1_fails_the_server(
+        tiny_model, tmp_path, second_host):
+    """Node 1 in its own network namespace: rendezvous and gloo cross a veth link, not
+    loopback. Serve, idle past the timeout, then node 1's agent dies."""
+    pair = second_host
+    server = TorchrunServer(
+        tiny_model, tmp_path, nnodes=2, nproc=1, extra_args=ARGS, master_addr=pair.here_ip,
+        node_prefix=[[], pair.prefix],
+        node_env=[{**TWO_NODES[0], "GLOO_SOCKET_IFNAME": pair.here_if},
+                  {**TWO_NODES[1], "GLOO_SOCKET_IFNAME": pair.there_if}])
+    try:
+        server.wait_ready()
+        procs = server.tree()
+        client = server.client()
+        before = ask(client)
+        assert before["stream_chunks"] > 1
+        time.sleep(IDLE_S)
+        assert server.health() == 200
+        assert ask(client) == before
+        log1 = server.log(1)
+        assert f"follows the driver (torchrun's store at {pair.here_ip}:" in log1
+        server.agents[1].kill()
+        wait_unhealthy(server, 30)
+        codes = server.wait_agents(60)
+        left = left_after(procs, 10)
+        log0 = server.log(0)
+    finally:
+        server.stop()
+    assert codes[0] not in (None, 0), codes
+    assert "keepalive executor failed" in log0
     assert left == []
