@@ -729,8 +729,8 @@ def plot(summary: dict[str, Any], results: list[RunResult], path: Path,
     names = {"keepalive-tp2": "keepalive\nTP=2", "torchrun-tp2": "keepalive\ntorchrun TP=2",
              "mp-tp2": "mp\nTP=2", "tp1": "TP=1\n(floor)"}
     for key in ("keepalive-tp2", "torchrun-tp2", "mp-tp2", "tp1"):
-        if key not in summary:
-            continue
+        if not summary.get(key, {}).get("runs"):
+            continue  # not in this run (--no-tp1, no --with-torchrun)
         s = summary.get(key, {})
         labels.append(f"{names[key]}\n(n={s.get('runs_ok', 0)})")
         thr.append(s.get("output_tok_s") or 0.0)
