@@ -350,12 +350,7 @@ def _lead(env: TorchrunEnv, argv: list[str]) -> int:
     os.environ[STATUS_FILE_ENV] = status_path
     code: int = 1
     try:
-        try:
-            vllm_argv = with_keepalive_backend(argv)
-        except TorchrunError as e:
-            post_error(store, env, str(e), wait_s=ERROR_ACK_WAIT_S)
-            raise
-        code = _run_vllm_cli(["serve", *vllm_argv])
+        code = _run_vllm_cli(["serve", *with_keepalive_backend(argv)])
     except BaseException as e:
         post_error(store, env, f"rank 0 failed to start: {type(e).__name__}: {e}",
                    wait_s=ERROR_ACK_WAIT_S)
