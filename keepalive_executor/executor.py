@@ -143,7 +143,10 @@ class KeepaliveExecutor(Executor):
             # process gets one SIGTERM, from vLLM's front end, as under `vllm serve`: a
             # second one would kill it in vLLM's teardown before SHUTDOWN reaches the
             # other ranks. It still dies with its parent.
-            os.setpgid(0, 0)
+            try:
+                os.setpgid(0, 0)
+            except OSError as e:  # e.g. already a session leader: keep vLLM's behaviour
+                logger.warning("keepalive: could not leave rank 0's process group: %s", e)
             torchrun.set_parent_death_signal(signal.SIGKILL)
         try:
             self.settings = self.validate(self.vllm_config)
