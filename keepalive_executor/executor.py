@@ -29,6 +29,7 @@ from typing import Any
 
 from vllm.v1.executor.abstract import Executor, FailureCallback
 
+from keepalive_executor import torchrun
 from keepalive_executor.channel import BroadcastChannel, ChannelError
 from keepalive_executor.config import (
     KeepaliveSettings,
@@ -53,7 +54,6 @@ logger = logging.getLogger("vllm." + __name__)
 #: Test-only: start without the pacer so tests can show that idle receivers then die.
 #: Deliberately not a documented option; it logs a warning whenever it is honoured.
 _TEST_DISABLE_PACER_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER"
-STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_KEEPALIVE_STARTUP_TIMEOUT_S", "600"))
 SHUTDOWN_GRACE_S = 5.0
 EXIT_STUCK_STEP = 70
 #: After a rank fails, how long the engine thread may stay inside a step before the engine
@@ -124,16 +124,12 @@ class KeepaliveExecutor(Executor):
     @staticmethod
     def validate(vllm_config: Any) -> KeepaliveSettings:
         """All start-up checks, cheap enough for the front end: raises KeepaliveConfigError."""
-        from keepalive_executor import torchrun
-
         check_parallel_layout(vllm_config.parallel_config)
         if torchrun.in_torchrun_mode():
             torchrun.check_world_size(vllm_config.parallel_config)
         return settings_from_vllm_config(vllm_config)
 
     def _init_executor(self) -> None:
-        from keepalive_executor import torchrun
-
         self._torchrun: torchrun.TorchrunEnv | None = None
         self._store: Any = None
         if torchrun.in_torchrun_mode():
@@ -191,8 +187,6 @@ class KeepaliveExecutor(Executor):
         """torchrun mode: make the waiting ranks exit with rank 0's start-up error."""
         if self._torchrun is None or self._store is None:
             return
-        from keepalive_executor import torchrun
-
         try:
             torchrun.post_error(self._store, self._torchrun, message)
         except Exception:  # noqa: BLE001 - they still time out or are stopped by torchrun
@@ -200,8 +194,6 @@ class KeepaliveExecutor(Executor):
 
     def _post_bootstrap(self) -> None:
         """torchrun mode: give every other rank the configuration it must follow."""
-        from keepalive_executor import torchrun
-
         assert self._torchrun is not None
         settings = dict(
             init_method=self._init_method,
@@ -238,7 +230,7 @@ class KeepaliveExecutor(Executor):
                 self.workers.append(spawn_worker(self.vllm_config, rank, common))
             # Rendezvous only once every worker is up: the process-group rendezvous waits
             # at most the collective timeout, shorter than a cold start can take.
-            wait_for_ready(self.workers, STARTUP_TIMEOUT_S, status="ALIVE")
+            wait_for_ready(self.workers, torchrun.STARTUP_TIMEOUT_S, status="ALIVE")
         else:
             self._post_bootstrap()
 
@@ -256,17 +248,16 @@ class KeepaliveExecutor(Executor):
         # On CPU, the in-process driver takes rank 0's CPUs, as mp gives its worker 0.
         bind_threads(self.vllm_config, self._local_rank)
         if self._torchrun is not None:
-            from keepalive_executor.torchrun import init_world_process_group
-
-            init_world_process_group(self._torchrun, self.vllm_config)
+            torchrun.init_world_process_group(self._torchrun, self.vllm_config)
         self.driver_worker.init_device()  # joins the process groups with every worker
         self._channel, self._reply_group = make_channel(
             self.settings.transport, self.settings.inline_bytes, self.settings.max_payload_bytes
         )
-        wait_for_ready(self.workers, STARTUP_TIMEOUT_S)
+        wait_for_ready(self.workers, torchrun.STARTUP_TIMEOUT_S)
 
-        self._monitor = WorkerMonitor(self.workers, self._on_worker_death)
-        self._monitor.start()
+        if self.workers:  # torchrun mode has no processes of its own to watch
+            self._monitor = WorkerMonitor(self.workers, self._on_worker_death)
+            self._monitor.start()
         channel = self._channel
         self._pacer = Pacer(
             self.settings.interval_s,
@@ -289,8 +280,6 @@ class KeepaliveExecutor(Executor):
             self._failure = reason
             callback, self._failure_callback = self._failure_callback, None
         logger.error("keepalive executor failed: %s", reason)
-        from keepalive_executor import torchrun
-
         torchrun.record_failure(reason)
         if self._inside is not None:
             threading.Thread(

@@ -67,6 +67,7 @@ LAUNCHER_ENV = "KEEPALIVE_EXECUTOR_LAUNCHER"
 #: Set by :func:`main` on rank 0: where the executor records a failure for the exit code.
 STATUS_FILE_ENV = "KEEPALIVE_EXECUTOR_STATUS_FILE"
 BOOTSTRAP_VERSION = 1
+#: How long ranks wait for each other at start-up (both modes).
 STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_KEEPALIVE_STARTUP_TIMEOUT_S", "600"))
 #: How long rank 0 waits, after a start-up error, for the other ranks to have read it.
 ERROR_ACK_WAIT_S = 20.0
@@ -89,7 +90,6 @@ class TorchrunEnv:
     master_port: int
     run_id: str = "none"
     restart_count: int = 0
-    use_agent_store: bool = True
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> TorchrunEnv:
@@ -113,13 +113,12 @@ class TorchrunEnv:
                 master_port=int(env["MASTER_PORT"]),
                 run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
                 restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                use_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             )
         except ValueError as e:
             raise TorchrunError(f"torchrun's environment is malformed: {e}") from None
         if not 0 <= parsed.rank < parsed.world_size:
             raise TorchrunError(f"RANK={parsed.rank} is outside WORLD_SIZE={parsed.world_size}")
-        if not parsed.use_agent_store:
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             raise TorchrunError(
                 "keepalive's torchrun mode receives its configuration over torchrun's agent "
                 "store, but TORCHELASTIC_USE_AGENT_STORE is not True (was the process "
@@ -389,15 +388,13 @@ def _follow(env: TorchrunEnv) -> int:
     """Ranks 1..N-1: take the driver's configuration and follow its broadcasts."""
     from vllm.config.logging import LoggingConfig
     from vllm.logger import configure_logging_if_needed
-    from vllm.utils.system_utils import decorate_logs, set_process_title
 
-    from keepalive_executor.worker_loop import bind_threads, run_worker
+    from keepalive_executor.worker_loop import bind_threads, name_process, run_worker
 
     # vLLM's default logging until the driver's own logging configuration arrives.
     configure_logging_if_needed(LoggingConfig())
     set_parent_death_signal(signal.SIGKILL)
-    set_process_title(name=f"KeepaliveWorker_TP{env.rank}")
-    decorate_logs(f"KeepaliveWorker_TP{env.rank}")
+    name_process(env.rank)
 
     stop_requested = threading.Event()
     following = threading.Event()

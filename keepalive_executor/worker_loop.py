@@ -32,7 +32,8 @@ from keepalive_executor.channel import BroadcastChannel, ChannelError, MessageKi
 from keepalive_executor.rpc import RpcReply, RpcRequest, gather_replies
 
 __all__ = [
-    "receive_loop", "make_channel", "bind_threads", "run_worker", "worker_main", "WorkerStepError",
+    "receive_loop", "make_channel", "name_process", "bind_threads", "run_worker", "worker_main",
+    "WorkerStepError",
 ]
 
 # Under the "vllm." namespace so that vLLM's logging configuration (format, level) applies.
@@ -127,6 +128,14 @@ def _watch_parent(death_pipe: Connection, shutting_down: threading.Event) -> Non
             os._exit(EXIT_ORPHANED)
 
     threading.Thread(target=watch, name="keepalive-parent-watch", daemon=True).start()
+
+
+def name_process(rank: int) -> None:
+    """"VLLM::KeepaliveWorker_TP<rank>" in ps/top, and the same prefix on its log lines."""
+    from vllm.utils.system_utils import decorate_logs, set_process_title
+
+    set_process_title(name=f"KeepaliveWorker_TP{rank}")
+    decorate_logs(f"KeepaliveWorker_TP{rank}")
 
 
 def bind_threads(vllm_config: Any, local_rank: int) -> None:
@@ -244,11 +253,7 @@ def worker_main(
     signal.signal(signal.SIGINT, on_signal)
     _watch_parent(death_pipe, shutting_down)
 
-    from vllm.utils.system_utils import decorate_logs, set_process_title
-
-    # "VLLM::KeepaliveWorker_TP1" in ps/top, and the same prefix on its log lines.
-    set_process_title(name=f"KeepaliveWorker_TP{rank}")
-    decorate_logs(f"KeepaliveWorker_TP{rank}")
+    name_process(rank)
 
     def alive() -> None:
         ready_pipe.send({"status": "ALIVE", "rank": rank, "pid": os.getpid()})

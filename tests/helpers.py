@@ -172,6 +172,11 @@ class Server:
         return code
 
 
+def by_title(server: Server, title: str) -> list[psutil.Process]:
+    """The processes of ``server``'s tree whose title contains ``title``."""
+    return [p for p in server.tree() if title in p.name()]
+
+
 def left_after(procs: list[psutil.Process], seconds: float) -> list[str]:
     """Processes of ``procs`` still running ``seconds`` from now (each may exit meanwhile)."""
     psutil.wait_procs([p for p in procs if p.is_running()], timeout=seconds)

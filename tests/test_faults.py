@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import HERE, Server, alive, left_after
+from helpers import HERE, Server, alive, by_title, left_after
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +39,6 @@ def fault_server(tiny_model: str, tmp_path: Path, name: str, *, timeout: str = "
     server.fault_dir = fault_dir
     server.wait_ready()
     return server
-
-
-def by_title(server: Server, title: str) -> list[psutil.Process]:
-    return [p for p in server.tree() if title in p.name()]
 
 
 def wait_until(pred, bound: float, step: float = 0.05) -> float | None:

@@ -10,7 +10,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import Server, TorchrunServer, VethPair, left_after
+from helpers import Server, TorchrunServer, VethPair, by_title, left_after
 from test_serve import ask
 
 TIMEOUT = "5"  # --distributed-timeout-seconds; the keepalive interval is then 1.25 s
@@ -107,7 +107,7 @@ def test_one_node_rank1_death_fails_the_server_and_torchrun(tiny_model, tmp_path
         server.wait_ready()
         procs = server.tree()
         ask(server.client())
-        rank1 = [p for p in procs if "KeepaliveWorker_TP1" in p.name()]
+        rank1 = by_title(server, "KeepaliveWorker_TP1")
         assert len(rank1) == 1, [p.name() for p in procs]
         rank1[0].kill()
         unhealthy_after = wait_unhealthy(server, 30)
@@ -131,7 +131,7 @@ def test_one_node_engine_crash_ends_every_rank_and_torchrun(tiny_model, tmp_path
         server.wait_ready()
         procs = server.tree()
         ask(server.client())
-        [engine] = [p for p in procs if "EngineCore" in p.name()]
+        [engine] = by_title(server, "EngineCore")
         engine.kill()
         wait_unhealthy(server, 30)
         codes = server.wait_agents(60)
@@ -153,7 +153,7 @@ def test_one_node_max_restarts_brings_the_server_back_after_rank1_dies(tiny_mode
     try:
         server.wait_ready()
         before = ask(server.client())
-        [rank1] = [p for p in server.tree() if "KeepaliveWorker_TP1" in p.name()]
+        [rank1] = by_title(server, "KeepaliveWorker_TP1")
         rank1.kill()
         wait_unhealthy(server, 30)
         server.wait_ready(timeout=180)
