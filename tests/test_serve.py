@@ -9,6 +9,13 @@ TIMEOUT = "5"  # --distributed-timeout-seconds: the device group's timeout (defa
 IDLE_S = 30.0  # six times the timeout
 
 
+def texts(answers: dict) -> dict:
+    """The answers without the chunk count: how many SSE chunks a stream of the same tokens
+    arrives in depends on timing (the front end coalesces tokens that are ready together),
+    so only the texts are compared between runs."""
+    return {k: v for k, v in answers.items() if k != "stream_chunks"}
+
+
 def ask(client):
     comp = client.completions.create(model="tiny", prompt="Hello, my name is", max_tokens=12,
                                      temperature=0)
@@ -39,7 +46,7 @@ def test_serve_answers_survives_idle_and_shuts_down_clean(tiny_model, tmp_path):
         time.sleep(IDLE_S)
         assert server.health() == 200
         after = ask(client)
-        assert after == before
+        assert texts(after) == texts(before)
         log = server.log()
         assert "keepalive executor: transport=device, interval=1.25s" in log
     finally:
