@@ -19,20 +19,24 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "scripts"))
 
 import psutil  # noqa: E402
-from helpers import Server, alive  # noqa: E402
+from procs import alive  # noqa: E402
+from run_engine import run_script  # noqa: E402
+from servers import Server  # noqa: E402
 
 WORKER_TITLE = {"keepalive": "KeepaliveWorker_TP1", "mp": "Worker_TP1"}
 
 
-def start(model: str, backend: str, name: str, out: Path, extra: list[str] | None = None
-          ) -> Server:
+def start(model: str, backend: str, name: str, out: Path, extra: list[str] | None = None,
+          extra_env: dict | None = None) -> Server:
     fault_dir = out / f"faults-{backend}-{name}"
     fault_dir.mkdir(parents=True, exist_ok=True)
     env = {"KEEPALIVE_FAULT_DIR": str(fault_dir),
            "PYTHONPATH": os.pathsep.join([str(HERE.parent / "tests"),
                                           os.environ.get("PYTHONPATH", "")])}
+    env.update(extra_env or {})
     s = Server(model, out / f"fault-{backend}-{name}.log", backend=backend,
                extra_args=["--distributed-timeout-seconds", "30", *(extra or [])],
                extra_env=env)
@@ -129,19 +133,93 @@ def sigterm(model: str, backend: str, out: Path, drain_s: int = 0) -> dict:
     return r
 
 
-def raise_in_step(model: str, backend: str, out: Path) -> dict:
-    s = start(model, backend, "raise", out, ["--worker-cls", "fault_injection.FaultyCPUWorker"])
-    tree = s.tree()
-    (s.fault_dir / "raise_rank1").write_text("1")
+def armed_request(s: Server, fault: str, content: str = "1") -> dict[str, Any]:
+    """Arm ``fault`` (fault_injection), send one request: its outcome and how long it took."""
+    (s.fault_dir / fault).write_text(content)
     t0 = time.monotonic()
     try:
         s.client().completions.create(model="tiny", prompt="Hi", max_tokens=4)
         outcome = "answered"
     except Exception as e:  # noqa: BLE001
         outcome = type(e).__name__
-    r: dict[str, Any] = {"client_error_s": round(time.monotonic() - t0, 2), "outcome": outcome,
-                         "unhealthy_s": until(lambda: unhealthy(s))}
+    return {"client_error_s": round(time.monotonic() - t0, 2), "outcome": outcome}
+
+
+def raise_in_step(model: str, backend: str, out: Path, rank: int = 1) -> dict:
+    """Rank ``rank`` raises inside a step (rank 0: after the other ranks received it)."""
+    s = start(model, backend, f"raise{rank}", out,
+              ["--worker-cls", "fault_injection.FaultyCPUWorker"])
+    tree = s.tree()
+    r = armed_request(s, f"raise_rank{rank}")
+    r["unhealthy_s"] = until(lambda: unhealthy(s))
     r.update(finish(s, tree))
+    return r
+
+
+def step_timeout(model: str, backend: str, out: Path) -> dict:
+    """Rank 1 stalls 30 s inside a step; VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=3."""
+    s = start(model, backend, "timeout", out, ["--worker-cls", "fault_injection.FaultyCPUWorker"],
+              extra_env={"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "3"})
+    tree = s.tree()
+    s.client().completions.create(model="tiny", prompt="Hi", max_tokens=4)
+    r = armed_request(s, "stall_rank1", "30")
+    r.update(finish(s, tree))
+    r["log_names_timeout"] = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS" in s.log()
+    return r
+
+
+def _script(name: str, backend: str, out: Path, **kw: Any) -> dict:
+    fault_dir = out / f"faults-{backend}-{name}"
+    fault_dir.mkdir(parents=True, exist_ok=True)
+    for f in fault_dir.iterdir():
+        f.unlink()
+    t0 = time.monotonic()
+    try:
+        res = run_script(name, timeout=300, backend=backend, fault_dir=str(fault_dir), **kw,
+                         extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                    "KEEPALIVE_FAULT_DIR": str(fault_dir),
+                                    "PYTHONPATH": os.pathsep.join([str(HERE.parent / "tests"),
+                                                                   os.environ.get("PYTHONPATH",
+                                                                                  "")])})
+    except Exception as e:  # noqa: BLE001 - a hang (timeout) or a crash is the figure
+        first = str(e).splitlines()[0][:200] if str(e) else repr(e)
+        return {"failed": first, "wall_s": round(time.monotonic() - t0, 1)}
+    return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}
+
+
+def inprocess_holes(model: str, backend: str, out: Path) -> dict:
+    """In the user's process: an undecodable collective_rpc argument, collective_rpc from a
+    second thread during generation, rank 0 raising in a step, shutdown after that."""
+    return _script("inprocess_holes", backend, out, model=model)
+
+
+def inprocess_kill(model: str, backend: str, out: Path) -> dict:
+    """In the user's process: rank 1 SIGKILLed inside a step."""
+    return _script("inprocess_rank_killed", backend, out, model=model)
+
+
+def torchrun_frozen_rank(model: str, backend: str, out: Path) -> dict:
+    """torchrun mode (keepalive only): rank 1 SIGSTOPped, so no socket closes."""
+    if backend != "keepalive":
+        return {"n/a": "mp has no torchrun mode"}
+    from servers import TorchrunServer
+
+    s = TorchrunServer(model, out, log_prefix="fault-torchrun-frozen",
+                       extra_args=["--distributed-timeout-seconds", "30"])
+    try:
+        s.wait_ready()
+        s.client().completions.create(model="tiny", prompt="Hi", max_tokens=4)
+        rank1 = proc(s, "KeepaliveWorker_TP1")
+        t0 = time.monotonic()
+        rank1.suspend()
+        r: dict[str, Any] = {"unhealthy_s": until(lambda: s.health() != 200, 60)}
+        r["clients_s"] = round(time.monotonic() - t0, 2)
+        r["log_names_heartbeat"] = "sent no heartbeat" in s.log()
+        rank1.kill()
+    finally:
+        code = s.stop()
+    r["exit_code"] = code
+    r["left"] = len(s.leftovers)
     return r
 
 
@@ -153,6 +231,11 @@ SCENARIOS = {
     "API server SIGTERM": sigterm,
     "API server SIGTERM, drain 10 s": lambda m, b, o: sigterm(m, b, o, 10),
     "rank 1 raises in a step": raise_in_step,
+    "rank 0 raises in a step": lambda m, b, o: raise_in_step(m, b, o, rank=0),
+    "step past execute timeout 3 s": step_timeout,
+    "in-process: 4 holes": inprocess_holes,
+    "in-process: rank killed mid-step": inprocess_kill,
+    "torchrun: rank 1 frozen": torchrun_frozen_rank,
 }
 
 
@@ -162,7 +245,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=sorted(SCENARIOS), help="run these scenarios")
     ap.add_argument("--json", default=str(HERE / "results" / "faults.json"))
     args = ap.parse_args()
-    from keepalive_executor.tiny_model import build_tiny_model
+    from tiny_model import build_tiny_model
 
     model = str(build_tiny_model())
     out = HERE / "results"

@@ -17,7 +17,7 @@ With ``--with-torchrun`` each round also runs the torchrun mode right after keep
 is rooted at torchrun's agent and includes it.
 
 For each configuration, one ``vllm serve`` of the tiny local model
-(``python -m keepalive_executor.tiny_model``) is started in its own session/process group
+(``python scripts/tiny_model.py``) is started in its own session/process group
 (``--enforce-eager --max-model-len 256 --max-num-seqs 8 --gpu-memory-utilization 0.2``,
 ``VLLM_CPU_KVCACHE_SPACE=1``, ``VLLM_CPU_OMP_THREADS_BIND="0|1"`` for TP=2 and ``0`` for TP=1),
 bound to 127.0.0.1 on a free port. Readiness = ``GET /health`` returns 200. Then:
@@ -70,15 +70,12 @@ import platform
 import re
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +83,10 @@ from typing import Any
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from procs import name_of  # noqa: E402
+from servers import Server, TorchrunServer, env  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results"
 STOP_GRACE_S = 30.0
 EXC_LINE = re.compile(r"^\s*[\w.]+(Error|Exception|Interrupt|Exit): ")  # end of a traceback
@@ -140,24 +141,13 @@ class RunResult:
 
 
 # --------------------------------------------------------------------------------------------
-# Server handling
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# Server handling (the tests' own server classes: tests/servers.py)
 
 
 def base_env(tp: int) -> dict[str, str]:
-    e = dict(os.environ)
-    e.update({
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    })
+    """The servers' environment (tests/servers.py), for the benchmark client too."""
+    e = env(TRANSFORMERS_OFFLINE="1")
+    e["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "0"
     return e
 
 
@@ -166,113 +156,22 @@ def vllm_cmd() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
-class Server:
-    """``vllm serve`` in its own session; stdout+stderr to a log file."""
-
-    def __init__(self, cfg: Config, model: str, log_path: Path):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        serve = [
-            "serve", model,
-            "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
-            "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8",
-            "--gpu-memory-utilization", "0.2", "--seed", "0",
-        ]
-        if cfg.backend == "torchrun":
-            # torchrun's agent is the root of the tree; its ranks (own sessions) are its
-            # children, so tree() and the idle CPU figure include all of them.
-            args = [sys.executable, "-m", "torch.distributed.run",
-                    "--nproc-per-node", str(cfg.tp), "--master-addr", "127.0.0.1",
-                    "--master-port", str(free_port()), "-m", "keepalive_executor",
-                    *serve, "-tp", str(cfg.tp)]
-        else:
-            args = [*vllm_cmd(), *serve]
-        if cfg.tp > 1 and cfg.backend != "torchrun":
-            args += ["-tp", str(cfg.tp), "--distributed-executor-backend", cfg.backend]
-        self.args = args
-        self._log = open(log_path, "w")  # closed in stop()
-        self._log.write(f"$ {shlex.join(args)}\n")
-        self._log.flush()
-        self.proc = subprocess.Popen(args, env=base_env(cfg.tp), stdout=self._log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
-        self.pgid = self.proc.pid
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {self.proc.returncode} before ready")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not ready after {timeout:.0f} s")
-
-    def tree(self) -> list[psutil.Process]:
-        try:
-            root = psutil.Process(self.proc.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def session_leftovers(self) -> list[psutil.Process]:
-        found = []
-        for p in psutil.process_iter():
-            try:
-                if os.getsid(p.pid) == self.pgid and p.status() != psutil.STATUS_ZOMBIE:
-                    found.append(p)
-            except (ProcessLookupError, PermissionError, psutil.Error):
-                pass
-        return found
-
-    def stop(self) -> tuple[int | None, list[str]]:
-        """SIGTERM the group, SIGKILL it after the grace period. Returns (exit code, leftovers)."""
-        tree = self.tree()
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.pgid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        code = self.proc.poll()
-        _, alive = psutil.wait_procs(tree, timeout=5)
-        leftovers = [f"{p.pid}:{_name(p)}" for p in alive]
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.proc.poll() is None:
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        for p in self.session_leftovers():  # e.g. a child that left the group
-            leftovers.append(f"{p.pid}:{_name(p)}(session)")
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(tree, timeout=10)
-        if code is None:
-            code = self.proc.poll()
-            leftovers.append(f"root needed SIGKILL (exit {code})")
-        self._log.close()
-        return code, leftovers
+def start_server(cfg: Config, model: str, log_path: Path) -> Server:
+    """``vllm serve`` (or torchrun's agent for the torchrun mode, the root of its tree: its
+    ranks, in their own sessions, are its children) in its own session."""
+    if cfg.backend == "torchrun":
+        return TorchrunServer(model, log_path.parent, nnodes=1, nproc=cfg.tp, tp=cfg.tp,
+                              log_prefix=log_path.stem)
+    return Server(model, log_path, tp=cfg.tp, backend=cfg.backend)
 
 
-def _name(p: psutil.Process) -> str:
-    try:
-        return p.name()
-    except psutil.Error:
-        return "?"
+def stop_server(srv: Server) -> tuple[int | None, list[str]]:
+    """SIGTERM, then SIGKILL after the grace; the exit code and what had to be killed."""
+    code = srv.stop(timeout=STOP_GRACE_S)
+    return code, list(srv.leftovers)
+
+
+_name = name_of
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,7 +328,9 @@ def run_config(cfg: Config, rnd: int, model: str, args: argparse.Namespace, resu
     res.server_log, res.bench_log = str(log_path), str(bench_log)
     progress(f"[{cfg.name} round {rnd}] starting server (log {log_path.name})")
     t0 = time.monotonic()
-    srv = Server(cfg, model, log_path)
+    srv = start_server(cfg, model, log_path)
+    log_path = srv.log_path
+    res.server_log = str(log_path)
     try:
         srv.wait_ready(args.ready_timeout)
         res.startup_s = time.monotonic() - t0
@@ -472,7 +373,7 @@ def run_config(cfg: Config, rnd: int, model: str, args: argparse.Namespace, resu
             run_log_bytes = log_path.stat().st_size  # the server writes to the file directly
         except OSError:
             run_log_bytes = 0
-        res.exit_code, res.leftover_processes = srv.stop()
+        res.exit_code, res.leftover_processes = stop_server(srv)
         if not alive and res.ok:
             res.error = "server exited during the run"
         try:
@@ -798,7 +699,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def tiny_model() -> str:
-    out = subprocess.run([sys.executable, "-m", "keepalive_executor.tiny_model"], check=True,
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "tiny_model.py")], check=True,
                          capture_output=True, text=True).stdout
     return out.strip().splitlines()[-1].strip()
 

@@ -14,14 +14,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from helpers import Server  # noqa: E402
+from servers import Server  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=20.0)
     args = ap.parse_args()
-    from keepalive_executor.tiny_model import build_tiny_model
+    from tiny_model import build_tiny_model
 
     out = HERE / "results"
     out.mkdir(exist_ok=True)

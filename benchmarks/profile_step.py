@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -37,7 +38,8 @@ def main() -> None:
     backend = sys.argv[1]
     from vllm import LLM, SamplingParams
 
-    from keepalive_executor.tiny_model import build_tiny_model
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from tiny_model import build_tiny_model
 
     if backend == "keepalive":
         from keepalive_executor.channel import BroadcastChannel

@@ -1,5 +1,9 @@
 """The broadcast channel: one sender (the driver) and N-1 receivers on one process group.
 
+The channel moves **bytes**: what they mean (an engine call, see :mod:`keepalive_executor.rpc`)
+is decoded by the receive loop, so that a message a receiver cannot decode is that call's
+problem, not a broken channel.
+
 Wire format
 ===========
 
@@ -26,30 +30,39 @@ Receivers check, in this order: magic, version, header CRC, kind, ``length <= ma
 and ``seq == previous + 1``. Any failure raises :class:`ChannelProtocolError` (a subclass of
 :class:`ChannelError`); nothing is silently skipped. The payload itself is covered by the
 transport (TCP for gloo, NCCL's own integrity), not by a checksum of ours: a checksum would
-cost a pass over every large payload on the hot path.
-
-Payloads are ``pickle`` (protocol 5) of any object; if plain pickle cannot serialize it
-(lambdas, local functions) the channel falls back to ``cloudpickle``, whose output
-``pickle.loads`` reads. Serialization and the size check happen on the sender *before* the
-first collective, so a message that cannot be sent leaves every receiver untouched and the
-channel in sync.
+cost a pass over every large payload on the hot path. The size check happens on the sender
+*before* the first collective, so a message that cannot be sent leaves every receiver
+untouched and the channel in sync.
 
 Concurrency: :meth:`BroadcastChannel.send` (and the keepalive/shutdown variants) take one
-lock, so messages from several sender threads are totally ordered and their frames never
-interleave. The lock is exposed as :attr:`BroadcastChannel.send_lock` so that the pacer can
-make "decide to send a keepalive" and "send it" one atomic step.
+lock, :attr:`BroadcastChannel.send_lock`, so messages from several sender threads are totally
+ordered and their frames never interleave. The pacer takes the same lock around its
+"is a step in flight? no: send a keepalive" decision (see :mod:`keepalive_executor.pacer`).
 
-Trust: receivers unpickle what the source rank sends. Every rank therefore trusts the source
+Devices. On CPU (gloo) the frame is the host buffer and a receiver's wait sleeps inside gloo.
+On a GPU (NCCL/RCCL) the channel owns **one CUDA stream**: every copy and broadcast of the
+channel is issued on it, whichever thread sends (the engine thread, the pacer thread), so a
+frame copy can never overtake a keepalive still in flight on the same buffer; each thread that
+uses the channel calls :meth:`BroadcastChannel.bind_thread` first (it sets the device). A
+receiver does not block in a device-to-host copy while idle (with CUDA's default scheduling
+that spins a core): it posts the broadcast asynchronously and polls the work object with a
+backoff capped at ``POLL_MAX_S``, so an idle receiver sleeps, at the price of up to
+``POLL_MAX_S`` extra latency on the first message after an idle spell. The polling wait is
+transport-agnostic and is tested on gloo (``wait="poll"``); nothing here ran on a GPU.
+
+Trust: receivers act on what the source rank sends. Every rank therefore trusts the source
 rank and whoever can join the process group (see docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import enum
-import pickle
 import struct
 import threading
+import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,24 +74,26 @@ __all__ = [
     "HEADER_SIZE",
     "DEFAULT_INLINE_BYTES",
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "TRANSPORTS",
+    "POLL_MAX_S",
+    "ChannelSpec",
     "MessageKind",
     "Message",
     "FrameHeader",
     "ChannelError",
     "ChannelProtocolError",
-    "ChannelSerializationError",
     "ChannelTransportError",
     "PayloadTooLargeError",
     "encode_header",
     "decode_header",
-    "serialize",
-    "deserialize",
     "SequenceChecker",
     "BroadcastChannel",
+    "open_world_channel",
 ]
 
 MAGIC = b"KAch"
-FORMAT_VERSION = 1
+#: 2: payloads are rpc envelopes (bytes the receive loop decodes), no longer bare pickles.
+FORMAT_VERSION = 2
 _HEADER = struct.Struct("<4sHHQQ")  # magic, version, kind, seq, length -> 24 bytes
 _CRC = struct.Struct("<II")  # header_crc, zero pad
 HEADER_SIZE = _HEADER.size + _CRC.size  # 32
@@ -89,13 +104,35 @@ HEADER_SIZE = _HEADER.size + _CRC.size  # 32
 DEFAULT_INLINE_BYTES = 16 * 1024
 #: Largest payload the sender accepts; larger messages are rejected before any collective.
 DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
+#: ``device``: vLLM's world device group (NCCL/RCCL on GPUs, gloo on CPU); ``cpu``: its gloo
+#: CPU group.
+TRANSPORTS = ("device", "cpu")
+#: Polling wait (receivers on a GPU): the backoff starts at POLL_MIN_S and doubles up to this.
+POLL_MAX_S = 0.005
+POLL_MIN_S = 0.00002
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """Everything every rank must agree on to build the same channel; built once by the
+    driver (from the settings) and handed to every other rank."""
+
+    transport: str = "device"
+    inline_bytes: int = DEFAULT_INLINE_BYTES
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.inline_bytes < 0 or self.max_payload_bytes < 0:
+            raise ValueError(f"byte sizes must be >= 0: {self}")
 
 
 class MessageKind(enum.IntEnum):
     """What a frame means to the receiver's loop."""
 
     PAYLOAD = 1
-    """Work: a pickled object follows (inline or in a second broadcast)."""
+    """Work: bytes follow (inline or in a second broadcast)."""
     KEEPALIVE = 2
     """Nothing to do: the driver is idle and keeps the collective from timing out."""
     SHUTDOWN = 3
@@ -104,11 +141,12 @@ class MessageKind(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Message:
-    """One received message. ``payload`` is ``None`` unless ``kind`` is PAYLOAD."""
+    """One received message. ``data`` is ``None`` unless ``kind`` is PAYLOAD; it may be a
+    view of the channel's buffer, valid until the next :meth:`BroadcastChannel.recv`."""
 
     kind: MessageKind
     seq: int
-    payload: Any = None
+    data: memoryview | bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -129,12 +167,8 @@ class ChannelProtocolError(ChannelError):
     """A frame that breaks the wire format: bad magic, version, CRC, kind or sequence."""
 
 
-class ChannelSerializationError(ChannelError):
-    """The sender could not serialize a message; nothing was sent."""
-
-
 class PayloadTooLargeError(ChannelError):
-    """The serialized payload exceeds ``max_payload_bytes``; nothing was sent."""
+    """The payload exceeds ``max_payload_bytes``; nothing was sent."""
 
 
 class ChannelTransportError(ChannelError):
@@ -178,27 +212,6 @@ def decode_header(frame: bytes | memoryview, max_payload_bytes: int) -> FrameHea
     return FrameHeader(kind=mkind, seq=seq, length=length, version=version)
 
 
-def serialize(obj: Any) -> bytes:
-    """Pickle ``obj``; fall back to cloudpickle for what plain pickle refuses."""
-    try:
-        return pickle.dumps(obj, protocol=5)
-    except (pickle.PicklingError, AttributeError, TypeError) as first:
-        try:
-            import cloudpickle
-
-            return cloudpickle.dumps(obj, protocol=5)
-        except Exception as e:  # noqa: BLE001 - report both failures to the caller
-            raise ChannelSerializationError(
-                f"cannot serialize {type(obj).__name__} for the broadcast channel: "
-                f"pickle said {first!r}; cloudpickle said {e!r}"
-            ) from e
-
-
-def deserialize(data: bytes | memoryview) -> Any:
-    """Inverse of :func:`serialize`."""
-    return pickle.loads(data)
-
-
 class SequenceChecker:
     """Receiver-side sequence check: every frame must carry exactly previous + 1."""
 
@@ -216,12 +229,25 @@ class SequenceChecker:
         self.last_seq = seq
 
 
+def _wait_polling(work: Any, poll_max_s: float) -> None:
+    """Wait for ``work`` by polling with a doubling backoff: the thread sleeps between polls
+    instead of blocking in a device synchronisation that may spin."""
+    delay = POLL_MIN_S
+    while not work.is_completed():
+        time.sleep(delay)
+        delay = min(delay * 2, poll_max_s)
+    work.wait()  # raises the collective's error, if any; orders the stream after it
+
+
 class BroadcastChannel:
-    """Driver-to-all broadcast of messages over a torch.distributed process group.
+    """Driver-to-all broadcast of byte messages over a torch.distributed process group.
 
     The same object is built on every rank of ``group``; the rank equal to ``src`` (a global
     rank) may call the ``send*`` methods, every other rank calls :meth:`recv`.
     ``device`` is where frames live: ``cpu`` for gloo, the rank's CUDA device for NCCL/RCCL.
+    ``wait`` is how a receiver waits: ``block`` (inside the collective; gloo sleeps there) or
+    ``poll`` (asynchronous collective polled with a backoff); default: ``poll`` on a GPU,
+    ``block`` on CPU.
     """
 
     def __init__(
@@ -232,6 +258,8 @@ class BroadcastChannel:
         device: torch.device | str = "cpu",
         inline_bytes: int = DEFAULT_INLINE_BYTES,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        wait: str | None = None,
+        poll_max_s: float = POLL_MAX_S,
     ) -> None:
         if inline_bytes < 0:
             raise ValueError(f"inline_bytes must be >= 0, got {inline_bytes}")
@@ -246,18 +274,49 @@ class BroadcastChannel:
         self.rank = dist.get_rank()
         self.is_sender = self.rank == src
         self.send_lock = threading.RLock()
+        on_gpu = self.device.type == "cuda"
+        if wait is None:
+            wait = "poll" if on_gpu else "block"
+        if wait not in ("block", "poll"):
+            raise ValueError(f"wait must be 'block' or 'poll', got {wait!r}")
+        self.wait = wait
+        self._poll_max_s = poll_max_s
+        # One stream for every copy and broadcast of the channel, whichever thread sends.
+        self._stream = torch.cuda.Stream(device=self.device) if on_gpu else None
         self._frame = torch.zeros(self.frame_bytes, dtype=torch.uint8, device=self.device)
-        on_cpu = self.device.type == "cpu"
-        self._host_frame = self._frame if on_cpu else torch.zeros_like(self._frame, device="cpu")
+        if self.device.type == "cpu":
+            self._host_frame = self._frame
+        else:
+            self._host_frame = torch.zeros(
+                self.frame_bytes, dtype=torch.uint8, pin_memory=on_gpu
+            )
         self._host_np = self._host_frame.numpy()  # one view, reused by every message
         self._next_seq = 1
         self._seq_check = SequenceChecker()
         self._closed = False
 
+    def bind_thread(self) -> None:
+        """Call once in every thread that uses the channel (sets the CUDA device there)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    @contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        with ctx:
+            yield
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        if self.is_sender or self.wait == "block":
+            work = dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
+            work.wait()
+        else:
+            work = dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
+            _wait_polling(work, self._poll_max_s)
+
     # ------------------------------------------------------------------ sender side
-    def send(self, obj: Any) -> int:
-        """Broadcast ``obj`` as a PAYLOAD message; return its sequence number."""
-        data = serialize(obj)
+    def send(self, data: bytes | bytearray | memoryview) -> int:
+        """Broadcast ``data`` as a PAYLOAD message; return its sequence number."""
         if len(data) > self.max_payload_bytes:
             raise PayloadTooLargeError(
                 f"message of {len(data)} bytes exceeds the channel limit of "
@@ -275,7 +334,7 @@ class BroadcastChannel:
         self._closed = True
         return seq
 
-    def _send(self, kind: MessageKind, data: bytes) -> int:
+    def _send(self, kind: MessageKind, data: bytes | bytearray | memoryview) -> int:
         if not self.is_sender:
             raise ChannelError(f"rank {self.rank} is a receiver; only rank {self.src} sends")
         with self.send_lock:
@@ -288,12 +347,14 @@ class BroadcastChannel:
             if 0 < len(data) <= self.inline_bytes:
                 host[HEADER_SIZE : HEADER_SIZE + len(data)] = memoryview(data)
             try:
-                if self._frame is not self._host_frame:
-                    self._frame.copy_(self._host_frame)
-                dist.broadcast(self._frame, src=self.src, group=self.group)
-                if len(data) > self.inline_bytes:
-                    big = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-                    dist.broadcast(big, src=self.src, group=self.group)
+                with self._on_stream():
+                    if self._frame is not self._host_frame:
+                        # synchronous w.r.t. the host: the buffer is rewritten next message
+                        self._frame.copy_(self._host_frame)
+                    self._broadcast(self._frame)
+                    if len(data) > self.inline_bytes:
+                        big = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                        self._broadcast(big.to(self.device))
             except Exception as e:
                 # A frame may be half-delivered: the channel can no longer be trusted.
                 self._closed = True
@@ -311,25 +372,25 @@ class BroadcastChannel:
         if self._closed:
             raise ChannelError("channel already received SHUTDOWN (or failed)")
         try:
-            dist.broadcast(self._frame, src=self.src, group=self.group)
-            if self._frame is not self._host_frame:
-                self._host_frame.copy_(self._frame)
-            raw = self._host_np
-            header = decode_header(raw[:HEADER_SIZE].tobytes(), self.max_payload_bytes)
-            self._seq_check.check(header.seq)
-            payload: Any = None
-            if header.kind is MessageKind.PAYLOAD:
-                # pickle reads straight from the frame (or the payload tensor): no copy
-                if header.length <= self.inline_bytes:
-                    data = memoryview(raw)[HEADER_SIZE : HEADER_SIZE + header.length]
-                else:
-                    big = torch.empty(header.length, dtype=torch.uint8, device=self.device)
-                    dist.broadcast(big, src=self.src, group=self.group)
-                    data = memoryview(big.cpu().numpy())
-                payload = deserialize(data)
-            elif header.kind is MessageKind.SHUTDOWN:
-                self._closed = True
-            return Message(kind=header.kind, seq=header.seq, payload=payload)
+            with self._on_stream():
+                self._broadcast(self._frame)
+                if self._frame is not self._host_frame:
+                    self._host_frame.copy_(self._frame)
+                raw = self._host_np
+                header = decode_header(raw[:HEADER_SIZE].tobytes(), self.max_payload_bytes)
+                self._seq_check.check(header.seq)
+                data: memoryview | None = None
+                if header.kind is MessageKind.PAYLOAD:
+                    # the caller reads straight from the frame (or the payload tensor)
+                    if header.length <= self.inline_bytes:
+                        data = memoryview(raw)[HEADER_SIZE : HEADER_SIZE + header.length]
+                    else:
+                        big = torch.empty(header.length, dtype=torch.uint8, device=self.device)
+                        self._broadcast(big)
+                        data = memoryview(big.cpu().numpy())
+                elif header.kind is MessageKind.SHUTDOWN:
+                    self._closed = True
+            return Message(kind=header.kind, seq=header.seq, data=data)
         except ChannelError:
             self._closed = True
             raise
@@ -339,7 +400,27 @@ class BroadcastChannel:
                 f"rank {self.rank}: waiting for the broadcast from rank {self.src} failed: {e}"
             ) from e
 
+    def close(self) -> None:
+        """Refuse every later send/recv (the executor gave the channel up)."""
+        self._closed = True
+
     @property
     def closed(self) -> bool:
-        """True after SHUTDOWN was sent/received or a failure broke the channel."""
+        """True after SHUTDOWN was sent/received, a failure broke the channel, or close()."""
         return self._closed
+
+
+def open_world_channel(spec: ChannelSpec) -> tuple[BroadcastChannel, Any]:
+    """The channel on vLLM's world group (after ``init_device``) and the reply (CPU) group."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    world = get_world_group()
+    if spec.transport == "cpu":
+        group, device = world.cpu_group, torch.device("cpu")
+    else:
+        group, device = world.device_group, world.device
+    channel = BroadcastChannel(
+        group, src=world.ranks[0], device=device, inline_bytes=spec.inline_bytes,
+        max_payload_bytes=spec.max_payload_bytes,
+    )
+    return channel, world.cpu_group

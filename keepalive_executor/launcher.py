@@ -9,14 +9,19 @@
   the sentinels and calls back with the first rank that exits.
 * **orphans**: each worker holds the read end of a *death pipe* whose write end only the
   parent holds; when the parent dies, for any reason, the pipe closes and the worker exits.
-* **stop**: :func:`stop_workers` waits a grace period, then SIGTERM, then SIGKILL.
+* **stop**: :func:`stop_workers` waits a grace period, then SIGTERM, then SIGKILL. After a
+  failure the death pipes are closed *first* (as vLLM's ``mp`` does), so the workers exit at
+  once instead of after the grace; after a clean SHUTDOWN they are closed last, so a worker
+  still finishing its loop is not mistaken for an orphan.
+
+:class:`SpawnedRanks` puts these together behind :class:`keepalive_executor.ranks.Ranks`.
 """
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,10 +31,17 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-__all__ = ["WorkerHandle", "spawn_worker", "wait_for_ready", "WorkerMonitor", "stop_workers"]
+from keepalive_executor.log import get_logger
 
-# Under the "vllm." namespace so that vLLM's logging configuration (format, level) applies.
-logger = logging.getLogger("vllm." + __name__)
+__all__ = [
+    "WorkerHandle", "spawn_worker", "wait_for_ready", "WorkerMonitor", "stop_workers",
+    "SpawnedRanks", "WorkerStartupError",
+]
+
+logger = get_logger(__name__)
+#: After SHUTDOWN (or after a failure, with the death pipes closed), how long workers get to
+#: exit before SIGTERM, then SIGKILL (vLLM's VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS default).
+SHUTDOWN_GRACE_S = 5.0
 
 
 class WorkerStartupError(RuntimeError):
@@ -182,9 +194,14 @@ class WorkerMonitor:
             self._on_death(dead[0])
 
 
-def stop_workers(workers: list[WorkerHandle], grace_s: float) -> None:
-    """Wait ``grace_s`` for workers to exit, then SIGTERM, then SIGKILL; reap them all."""
+def stop_workers(workers: list[WorkerHandle], grace_s: float, *, close_first: bool = False
+                 ) -> None:
+    """Wait ``grace_s`` for workers to exit, then SIGTERM, then SIGKILL; reap them all.
+    ``close_first``: close the death pipes before waiting (after a failure)."""
     procs = [w.proc for w in workers]
+    if close_first:
+        for w in workers:
+            w.close_pipes()
 
     def alive() -> list[BaseProcess]:
         return [p for p in procs if p.is_alive()]
@@ -207,3 +224,86 @@ def stop_workers(workers: list[WorkerHandle], grace_s: float) -> None:
     for w in workers:
         w.close_pipes()
         w.proc.join(0.1)
+
+
+class SpawnedRanks:
+    """Ranks 1..N-1 as worker processes of this engine process (one node; see ranks.py)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        from vllm.utils.network_utils import get_file_store_init_method
+        from vllm.utils.system_utils import get_mp_context
+
+        # Keep gloo's sockets on loopback: there is only one node in this mode.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.init_method: str = get_file_store_init_method()
+        self.local_rank = 0
+        self.shared_worker_lock = get_mp_context().Lock()
+        self.workers: list[WorkerHandle] = []
+        self._timeout_s = 0.0
+        self._world_size = vllm_config.parallel_config.world_size
+        self._monitor: WorkerMonitor | None = None
+
+    def start(self, vllm_config: Any, settings: Any) -> None:
+        """Spawn every worker; return once each said ALIVE (constructed, imports done):
+        the process-group rendezvous waits at most the collective timeout, shorter than a
+        cold start can take, so rank 0 joins it only now."""
+        self._timeout_s = settings.startup_timeout_s
+        common = dict(
+            distributed_init_method=self.init_method,
+            spec=settings.channel,
+            shared_worker_lock=self.shared_worker_lock,
+        )
+        for rank in range(1, self._world_size):
+            self.workers.append(spawn_worker(vllm_config, rank, common))
+        wait_for_ready(self.workers, self._timeout_s, status="ALIVE")
+
+    def before_init_device(self) -> None:
+        """Nothing: the workers join through the file store on their own."""
+
+    def wait_ready(self) -> None:
+        """Every worker said READY (joined the groups, built its channel)."""
+        wait_for_ready(self.workers, self._timeout_s)
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """Sentinels: a dead worker is reported at once."""
+
+        def died(worker: WorkerHandle) -> None:
+            worker.proc.join(1.0)  # the sentinel fires before the exit code is collected
+            on_death(
+                f"worker rank {worker.rank} (pid {worker.proc.pid}) died unexpectedly "
+                f"(exit code {worker.proc.exitcode})"
+            )
+
+        if self.workers:
+            self._monitor = WorkerMonitor(self.workers, died)
+            self._monitor.start()
+
+    def dead_worker(self) -> str | None:
+        """A description of a worker that is no longer running, if any (health checks)."""
+        for w in self.workers:
+            if not w.proc.is_alive():
+                w.proc.join(1.0)
+                return (f"worker rank {w.rank} (pid {w.proc.pid}) died unexpectedly "
+                        f"(exit code {w.proc.exitcode})")
+        return None
+
+    def tell_error(self, message: str) -> None:
+        """Nothing to tell: stop() ends the workers."""
+
+    def kill(self) -> None:
+        """SIGKILL every worker now."""
+        kill_all(self.workers)
+
+    def stop(self, *, failed: bool) -> dict[int, int | None]:
+        """Stop the monitor, then reap the workers (death pipes first after a failure)."""
+        if self._monitor is not None:
+            self._monitor.stop()
+        stop_workers(self.workers, SHUTDOWN_GRACE_S, close_first=failed)
+        return {w.rank: w.proc.exitcode for w in self.workers}
+
+
+def kill_all(workers: list[WorkerHandle]) -> None:
+    """SIGKILL every worker still running (also the executor's last-resort finalizer)."""
+    for w in workers:
+        if w.proc.is_alive():
+            w.proc.kill()

@@ -29,13 +29,19 @@ State machine
 Guarantees (checked as invariants by tests/test_pacer.py):
 
 1. No keepalive while a step is in flight (with NCCL a keepalive between two all-reduces of
-   one step would deadlock or corrupt it). The decision and the send happen under one lock
-   that ``begin_step`` also takes, so a step cannot begin between "decide" and "send".
+   one step would deadlock or corrupt it). The thread takes the channel's send lock, then
+   decides ("idle and due?") and sends while still holding it. A step that begins after the
+   decision cannot broadcast before the keepalive is out, so the keepalive precedes the whole
+   step; a step that began before it makes the decision "busy". The pacer's own condition is
+   never held across a send, so ``begin_step``/``finish_step``/``stop`` never wait for a
+   broadcast that may block (on a GPU a copy can wait for the previous broadcast).
 2. While idle, the gap between consecutive broadcasts is at most ``interval`` plus the
    thread's wake-up latency (the *slack*: a timed ``Condition.wait`` returning late under
    load; tens of milliseconds on a loaded 2-core machine, far below the interval rule).
-3. After ``stop()`` returns, the pacer sends nothing. The executor then sends SHUTDOWN, the
-   last frame every receiver sees.
+3. After ``stop()`` or ``request_stop()`` returns, no keepalive begins. ``stop(timeout)``
+   joins the thread for at most ``timeout`` seconds whatever the channel does (a thread stuck
+   in a send is a daemon and is left behind). The executor then sends SHUTDOWN, the last frame
+   every receiver sees.
 
 The decision logic lives in :class:`PacerCore`, a plain object with an injectable clock that
 property tests drive without threads or sleeps; :class:`Pacer` wraps it in one thread.
@@ -44,15 +50,15 @@ property tests drive without threads or sleeps; :class:`Pacer` wraps it in one t
 from __future__ import annotations
 
 import enum
-import logging
 import threading
 import time
 from collections.abc import Callable
 
+from keepalive_executor.log import get_logger
+
 __all__ = ["PacerState", "PacerCore", "Pacer", "PacerError"]
 
-# Under the "vllm." namespace so that vLLM's logging configuration (format, level) applies.
-logger = logging.getLogger("vllm." + __name__)
+logger = get_logger(__name__)
 
 Clock = Callable[[], float]
 
@@ -137,9 +143,10 @@ class PacerCore:
 class Pacer:
     """Runs a :class:`PacerCore` in a daemon thread named ``keepalive-pacer``.
 
-    ``send_keepalive`` broadcasts one keepalive frame; it is called with the pacer's lock
-    held, so no step can begin while it runs. ``send_lock`` (the channel's lock) is taken
-    around it too, making every broadcast go through one lock.
+    ``send_keepalive`` broadcasts one keepalive frame; the thread calls it holding
+    ``send_lock`` (the channel's lock, which every broadcast takes) and not the pacer's own
+    condition, so the engine's calls into the pacer never wait for a send.
+    ``on_thread_start`` runs first in the thread (the channel binds its device there).
     """
 
     def __init__(
@@ -150,6 +157,7 @@ class Pacer:
         send_lock: threading.RLock | None = None,
         clock: Clock = time.monotonic,
         on_failure: Callable[[BaseException], None] | None = None,
+        on_thread_start: Callable[[], None] | None = None,
         name: str = "keepalive-pacer",
     ) -> None:
         self._clock = clock
@@ -157,7 +165,9 @@ class Pacer:
         self._send_keepalive = send_keepalive
         self._send_lock = send_lock or threading.RLock()
         self._on_failure = on_failure
+        self._on_thread_start = on_thread_start
         self._cond = threading.Condition(threading.Lock())
+        self._changes = 0  # bumped on every notification, so the thread never misses one
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.keepalives_sent = 0
 
@@ -173,6 +183,11 @@ class Pacer:
         return self._core.interval
 
     @property
+    def in_flight(self) -> int:
+        """Steps that began and have not finished."""
+        return self._core.in_flight
+
+    @property
     def error(self) -> BaseException | None:
         """Why the pacer failed, if it did."""
         return self._core.error
@@ -182,14 +197,16 @@ class Pacer:
         self._thread.start()
 
     def begin_step(self) -> None:
-        """Mark a step as begun; blocks while a keepalive is being sent."""
+        """Mark a step as begun (never waits for a keepalive being sent)."""
         with self._cond:
             self._core.begin_step()
+            self._changes += 1
 
     def finish_step(self) -> None:
         """Mark a step as finished; wakes the thread so it can re-arm its timer."""
         with self._cond:
             self._core.finish_step()
+            self._changes += 1
             self._cond.notify_all()
 
     def note_broadcast(self) -> None:
@@ -197,15 +214,29 @@ class Pacer:
         with self._cond:
             self._core.note_broadcast(self._clock())
 
-    def stop(self, timeout: float | None = 5.0) -> None:
-        """Stop the thread; after this returns no keepalive is sent. Safe to call twice."""
+    def request_stop(self) -> None:
+        """No keepalive begins after this returns; does not wait for the thread."""
         with self._cond:
             self._core.stop()
+            self._changes += 1
             self._cond.notify_all()
+
+    def stop(self, timeout: float | None = 5.0) -> bool:
+        """Stop, and join the thread for at most ``timeout`` seconds; True if it exited.
+        Safe to call twice, and from any thread."""
+        self.request_stop()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-        with self._cond:
-            self._core.stopped()
+        exited = not self._thread.is_alive()
+        if exited or not self._thread.ident:
+            with self._cond:
+                self._core.stopped()
+        else:
+            logger.warning(
+                "keepalive pacer thread still inside a send %ss after stop; leaving it "
+                "(daemon): it sends nothing more", timeout,
+            )
+        return exited
 
     # -- the thread ----------------------------------------------------------------
     def tick(self) -> float | None:
@@ -215,34 +246,40 @@ class Pacer:
         (a step finishing, stop) can change it. The thread calls this; property tests call
         it directly with a fake clock instead of running the thread.
         """
-        with self._cond:
-            return self._tick_locked()
-
-    def _tick_locked(self) -> float | None:
-        now = self._clock()
-        if not self._core.should_send(now):
-            due = self._core.keepalive_due_at()  # None unless idle
-            return None if due is None else due - now
-        try:
-            with self._send_lock:
+        with self._send_lock:
+            with self._cond:
+                now = self._clock()
+                if not self._core.should_send(now):
+                    due = self._core.keepalive_due_at()  # None unless idle
+                    return None if due is None else due - now
+            # Holding only the send lock: a step that begins now broadcasts after us.
+            try:
                 self._send_keepalive()
-        except BaseException as e:  # noqa: BLE001 - reported by the thread, then it ends
-            self._core.fail(e)
-            raise
-        self.keepalives_sent += 1
-        self._core.note_broadcast(self._clock())
-        return self._core.interval
+            except BaseException as e:  # noqa: BLE001 - reported by the thread, then it ends
+                with self._cond:
+                    self._core.fail(e)
+                raise
+            with self._cond:
+                self.keepalives_sent += 1
+                self._core.note_broadcast(self._clock())
+                return self._core.interval
 
     def _run(self) -> None:
         failure: BaseException | None = None
-        with self._cond:
-            while self._core.accepting:
-                try:
-                    wait = self._tick_locked()
-                except BaseException as e:  # noqa: BLE001
-                    failure = e
+        if self._on_thread_start is not None:
+            self._on_thread_start()
+        while True:
+            with self._cond:
+                if not self._core.accepting:
                     break
-                if self._core.accepting:
+                seen = self._changes
+            try:
+                wait = self.tick()
+            except BaseException as e:  # noqa: BLE001
+                failure = e
+                break
+            with self._cond:
+                if self._core.accepting and self._changes == seen:
                     self._cond.wait(wait)
         if failure is not None:
             # Outside the lock: the callback may call back into the executor.

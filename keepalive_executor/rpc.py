@@ -1,22 +1,38 @@
 """What travels on the channel for an engine call, and how replies come back.
 
-A call is one :class:`RpcRequest` broadcast on the channel. Every rank runs it. If the call
-wants replies (``reply=True``: every ``collective_rpc`` but the per-step hot path), each rank
-then contributes one :class:`RpcReply` to :func:`gather_replies`, a gather to the driver over
-the world **CPU** group (gloo), so a result never has to live on a GPU:
+A call is one :class:`RpcRequest`, encoded as an **envelope** and broadcast on the channel::
+
+    offset  size  field
+    0       1     replies      Replies: 0 driver only, 1 every rank
+    1       2     name_len     length of the call's name (utf-8)
+    3       ...   name         e.g. "execute_model", or a callable's qualified name
+    3+n     ...   body         pickle (cloudpickle for what pickle refuses) of
+                               (method, args, kwargs)
+
+The name and the reply mode are readable without unpickling anything, so a rank that cannot
+decode the body (a class that exists only in the driver's process, say) still knows which
+call failed and whether the driver waits for its reply: it answers with an error reply, the
+ranks stay in step, and the engine stays usable, as with vLLM's ``mp`` executor. A model step
+(no replies) that a rank cannot decode cannot be run there: that rank fails.
+
+If a call wants replies (``Replies.ALL``: every ``collective_rpc`` but the per-step hot path),
+each rank then contributes one :class:`RpcReply` to :func:`gather_replies`, a gather to the
+driver over the world **CPU** group (gloo), so a result never has to live on a GPU:
 
 1. ``all_gather`` of each rank's reply length (int64), so every rank knows the largest;
 2. ``gather`` of the replies, zero-padded to that length, to the driver.
 
-``execute_model``, ``sample_tokens`` and ``take_draft_token_ids`` use ``reply=False``: only the
-driver's own result is needed (it runs the same step in-process), so the step costs one
-broadcast and nothing more. A worker that fails such a step cannot tell the driver in-band;
-it exits non-zero instead, and the executor's process monitor reports the dead rank.
+``execute_model``, ``sample_tokens`` and ``take_draft_token_ids`` use ``Replies.DRIVER``:
+only the driver's own result is needed (it runs the same step in-process), so the step costs
+one broadcast and nothing more. A worker that fails such a step cannot tell the driver
+in-band; it exits non-zero instead, and the executor's death detection reports the rank.
 """
 
 from __future__ import annotations
 
+import enum
 import pickle
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,9 +41,59 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from keepalive_executor.channel import serialize
+__all__ = [
+    "Replies",
+    "RpcRequest",
+    "RpcReply",
+    "RequestDecodeError",
+    "RpcSerializationError",
+    "WorkerRpcError",
+    "encode_request",
+    "decode_request",
+    "serialize",
+    "deserialize",
+    "gather_replies",
+]
 
-__all__ = ["RpcRequest", "RpcReply", "WorkerRpcError", "gather_replies"]
+_ENVELOPE = struct.Struct("<BH")
+
+
+class Replies(enum.IntEnum):
+    """Which ranks answer a call."""
+
+    DRIVER = 0
+    """Only the driver's own result counts (model steps): no reply collective."""
+    ALL = 1
+    """Every rank replies; the replies are gathered to the driver."""
+
+
+class RpcSerializationError(ValueError):
+    """The driver could not serialize a call; nothing was sent."""
+
+
+class RequestDecodeError(RuntimeError):
+    """A rank received a call it could not decode (the envelope or its body)."""
+
+
+def serialize(obj: Any) -> bytes:
+    """Pickle ``obj``; fall back to cloudpickle for what plain pickle refuses."""
+    try:
+        return pickle.dumps(obj, protocol=5)
+    except (pickle.PicklingError, AttributeError, TypeError) as first:
+        try:
+            import cloudpickle
+
+            return cloudpickle.dumps(obj, protocol=5)
+        except Exception as e:  # noqa: BLE001 - report both failures to the caller
+            raise RpcSerializationError(
+                f"cannot serialize {type(obj).__name__} for the broadcast channel: "
+                f"pickle said {first!r}; cloudpickle said {e!r}"
+            ) from e
+
+
+def deserialize(data: bytes | memoryview) -> Any:
+    """Inverse of :func:`serialize`."""
+    return pickle.loads(data)
 
 
 @dataclass(frozen=True)
@@ -37,7 +103,7 @@ class RpcRequest:
     method: str | Callable[..., Any]
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
-    reply: bool = True
+    replies: Replies = Replies.ALL
 
     @property
     def name(self) -> str:
@@ -45,6 +111,42 @@ class RpcRequest:
         if isinstance(self.method, str):
             return self.method
         return getattr(self.method, "__qualname__", repr(self.method))
+
+
+def encode_request(req: RpcRequest) -> bytes:
+    """The envelope of ``req`` (raises RpcSerializationError if the body cannot be pickled)."""
+    name = req.name.encode("utf-8", "replace")[:0xFFFF]
+    body = serialize((req.method, req.args, req.kwargs))
+    return _ENVELOPE.pack(int(req.replies), len(name)) + name + body
+
+
+@dataclass(frozen=True)
+class DecodedRequest:
+    """An envelope read on a receiving rank: the header always, the call if it decoded."""
+
+    replies: Replies
+    name: str
+    request: RpcRequest | None
+    error: str = ""
+
+
+def decode_request(data: bytes | memoryview) -> DecodedRequest:
+    """Read an envelope. Raises RequestDecodeError only if even the header is unreadable;
+    a body that does not unpickle is reported in ``error`` with ``request=None``."""
+    view = memoryview(data)
+    try:
+        mode, name_len = _ENVELOPE.unpack_from(view, 0)
+        replies = Replies(mode)
+        start = _ENVELOPE.size
+        name = bytes(view[start : start + name_len]).decode("utf-8", "replace")
+        body = view[start + name_len :]
+    except (struct.error, ValueError) as e:
+        raise RequestDecodeError(f"unreadable call envelope: {e}") from e
+    try:
+        method, args, kwargs = deserialize(body)
+    except Exception as e:  # noqa: BLE001 - any unpickling error is this call's failure
+        return DecodedRequest(replies, name, None, f"{type(e).__name__}: {e}")
+    return DecodedRequest(replies, name, RpcRequest(method, tuple(args), kwargs or {}, replies))
 
 
 @dataclass(frozen=True)

@@ -10,17 +10,20 @@ waits at most the collective timeout, which may be seconds, while a worker's sta
 (a fresh interpreter importing vLLM on a loaded machine) may take longer.
 
 In the receive loop a KEEPALIVE is "nothing to do": the worker goes straight back to waiting.
-A PAYLOAD is an :class:`~keepalive_executor.rpc.RpcRequest`; the worker runs it on its vLLM
-worker and, if the call wants replies, joins the reply gather. Exit codes:
+A PAYLOAD is an engine call's envelope (:mod:`keepalive_executor.rpc`), decoded here: the
+worker runs the call on its vLLM worker and, if the call wants replies, joins the reply
+gather. A call whose body this rank cannot decode is answered with an error reply naming the
+rank when the driver waits for replies (the ranks stay in step); a model step it cannot
+decode or run is fatal for this rank (the driver already runs it). Exit codes
+(:mod:`keepalive_executor.exit_codes`):
 
 * 0  after SHUTDOWN;
-* 1  the channel broke (driver died, collective timed out) or a no-reply step raised;
+* 1  the channel broke (driver died, collective timed out) or a no-reply step failed;
 * 2  the parent process went away (death pipe closed) outside a shutdown.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
@@ -28,20 +31,30 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from keepalive_executor.channel import BroadcastChannel, ChannelError, MessageKind
-from keepalive_executor.rpc import RpcReply, RpcRequest, gather_replies
+from keepalive_executor import exit_codes
+from keepalive_executor.channel import (
+    BroadcastChannel,
+    ChannelError,
+    ChannelSpec,
+    MessageKind,
+    open_world_channel,
+)
+from keepalive_executor.log import get_logger
+from keepalive_executor.rpc import (
+    Replies,
+    RequestDecodeError,
+    RpcReply,
+    RpcRequest,
+    decode_request,
+    gather_replies,
+)
 
 __all__ = [
-    "receive_loop", "make_channel", "name_process", "bind_threads", "run_worker", "worker_main",
+    "receive_loop", "name_process", "bind_threads", "run_worker", "worker_main",
     "WorkerStepError",
 ]
 
-# Under the "vllm." namespace so that vLLM's logging configuration (format, level) applies.
-logger = logging.getLogger("vllm." + __name__)
-
-EXIT_SHUTDOWN = 0
-EXIT_FAILED = 1
-EXIT_ORPHANED = 2
+logger = get_logger(__name__)
 
 
 class WorkerStepError(RuntimeError):
@@ -79,40 +92,37 @@ def receive_loop(
         if msg.kind is MessageKind.SHUTDOWN:
             logger.info("rank %d: SHUTDOWN from the driver after %d keepalives", rank, keepalives)
             return keepalives
-        req: RpcRequest = msg.payload
+        assert msg.data is not None
         try:
-            reply = RpcReply(rank=rank, ok=True, value=run(worker, req))
-        except Exception as e:  # noqa: BLE001 - reported to the driver or fatal
-            logger.exception("rank %d: %s raised", rank, req.name)
-            if not req.reply:
-                raise WorkerStepError(f"rank {rank}: {req.name} raised {e!r}") from e
-            reply = RpcReply(
-                rank=rank,
-                ok=False,
-                error=f"{type(e).__name__}: {e}",
-                traceback=traceback.format_exc(),
-            )
-        if req.reply:
+            call = decode_request(msg.data)
+        except RequestDecodeError as e:
+            # Not even the header: the driver speaks another format. Fatal, and loud.
+            raise WorkerStepError(f"rank {rank}: {e}") from e
+        if call.request is None:
+            logger.error("rank %d could not decode %s: %s", rank, call.name, call.error)
+            if call.replies is Replies.DRIVER:
+                raise WorkerStepError(f"rank {rank}: could not decode {call.name}: {call.error}")
+            reply = RpcReply(rank=rank, ok=False,
+                             error=f"rank {rank} could not decode the call: {call.error}")
+        else:
+            reply = _run_one(worker, call.request, rank, run)
+        if call.replies is Replies.ALL:
             gather_replies(reply, reply_group, dst=src, world_size=world_size)
 
 
-def make_channel(
-    transport: str, inline_bytes: int, max_payload_bytes: int
-) -> tuple[BroadcastChannel, Any]:
-    """Build the channel on vLLM's world group; return it and the reply (CPU) group."""
-    import torch
-    from vllm.distributed.parallel_state import get_world_group
-
-    world = get_world_group()
-    if transport == "cpu":
-        group, device = world.cpu_group, torch.device("cpu")
-    else:
-        group, device = world.device_group, world.device
-    channel = BroadcastChannel(
-        group, src=world.ranks[0], device=device, inline_bytes=inline_bytes,
-        max_payload_bytes=max_payload_bytes,
-    )
-    return channel, world.cpu_group
+def _run_one(worker: Any, req: RpcRequest, rank: int, run: Any) -> RpcReply:
+    try:
+        return RpcReply(rank=rank, ok=True, value=run(worker, req))
+    except Exception as e:  # noqa: BLE001 - reported to the driver or fatal
+        logger.exception("rank %d: %s raised", rank, req.name)
+        if req.replies is Replies.DRIVER:
+            raise WorkerStepError(f"rank {rank}: {req.name} raised {e!r}") from e
+        return RpcReply(
+            rank=rank,
+            ok=False,
+            error=f"{type(e).__name__}: {e}",
+            traceback=traceback.format_exc(),
+        )
 
 
 def _watch_parent(death_pipe: Connection, shutting_down: threading.Event) -> None:
@@ -125,7 +135,7 @@ def _watch_parent(death_pipe: Connection, shutting_down: threading.Event) -> Non
             pass
         if not shutting_down.is_set():
             logger.error("keepalive worker: parent process exited; exiting")
-            os._exit(EXIT_ORPHANED)
+            os._exit(exit_codes.ORPHANED)
 
     threading.Thread(target=watch, name="keepalive-parent-watch", daemon=True).start()
 
@@ -167,9 +177,7 @@ def run_worker(
     rank: int,
     local_rank: int,
     distributed_init_method: str,
-    transport: str,
-    inline_bytes: int,
-    max_payload_bytes: int,
+    spec: ChannelSpec,
     shared_worker_lock: Any,
     on_ready: Any,
     stop_requested: threading.Event,
@@ -189,7 +197,7 @@ def run_worker(
     # vLLM configures logging per process from the config (level, format, file).
     configure_logging_if_needed(vllm_config.logging_config)
     world_size = vllm_config.parallel_config.world_size
-    code = EXIT_FAILED
+    code = exit_codes.FAILED
     wrapper = None
     try:
         wrapper = WorkerWrapperBase(rpc_rank=rank, global_rank=rank)
@@ -206,20 +214,20 @@ def run_worker(
         if on_constructed is not None:
             on_constructed()
         wrapper.init_device()
-        channel, reply_group = make_channel(transport, inline_bytes, max_payload_bytes)
+        channel, reply_group = open_world_channel(spec)
         on_ready()
         receive_loop(wrapper, channel, reply_group, rank=rank, world_size=world_size)
-        code = EXIT_SHUTDOWN
+        code = exit_codes.OK
     except ChannelError as e:
         if stop_requested.is_set():
             logger.info("keepalive worker rank %d: driver gone after a stop request", rank)
-            code = EXIT_SHUTDOWN
+            code = exit_codes.OK
         else:
             logger.error("keepalive worker rank %d stops: %s", rank, e)
     except WorkerStepError as e:
         logger.error("keepalive worker rank %d stops: %s", rank, e)
     except SystemExit:
-        code = EXIT_SHUTDOWN if stop_requested.is_set() else EXIT_FAILED
+        code = exit_codes.OK if stop_requested.is_set() else exit_codes.FAILED
     except BaseException:  # noqa: BLE001 - logged, then a non-zero exit
         logger.exception("keepalive worker rank %d failed", rank)
     finally:
@@ -227,7 +235,7 @@ def run_worker(
         try:
             if wrapper is not None and getattr(wrapper, "worker", None) is not None:
                 wrapper.shutdown()
-            if code == EXIT_SHUTDOWN:
+            if code == exit_codes.OK:
                 destroy_model_parallel()
                 destroy_distributed_environment()
         except Exception:  # noqa: BLE001 - best effort on the way out
@@ -241,7 +249,7 @@ def worker_main(
     """Entry point of a worker process started by the executor.
 
     ``worker_kwargs`` are :func:`run_worker`'s (the configuration, local rank, init method,
-    transport, frame sizes, shared lock), as the launcher passes them.
+    channel spec, shared lock), as the launcher passes them.
     """
     shutting_down = threading.Event()
 

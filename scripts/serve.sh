@@ -6,7 +6,7 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/scripts/setup.sh"
 venv="${KEEPALIVE_VENV:-$repo/.venv}"
-model="${MODEL:-$("$venv/bin/python" -m keepalive_executor.tiny_model)}"
+model="${MODEL:-$("$venv/bin/python" "$repo/scripts/tiny_model.py")}"
 # One CPU per rank: rank 0 (the driver, inside the engine process) on CPU 0, rank 1 on CPU 1.
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0|1}"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"

@@ -40,5 +40,5 @@ fi
 
 echo "setup: installing keepalive-executor (editable) with test extras"
 "${pip[@]}" install -e "$repo[test,bench]"
-"$venv/bin/python" -m keepalive_executor.tiny_model >/dev/null
+"$venv/bin/python" "$repo/scripts/tiny_model.py" >/dev/null
 echo "setup: done ($venv)"

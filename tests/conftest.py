@@ -13,6 +13,8 @@ import uuid
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# the tiny local model's builder lives with the scripts (it is not part of the runtime)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
 
 
 def run_ranks(scenario: str, world: int, *, timeout_s: float, wall_s: float, **kw) -> dict:
@@ -61,6 +63,28 @@ def ranks():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """The tiny local Llama (built once per session; no hub)."""
-    from keepalive_executor.tiny_model import build_tiny_model
+    from tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama"))
+
+
+@pytest.fixture
+def tcp_store():
+    """A real TCPStore server on loopback (what torchrun's agent hosts): (server, port,
+    a function that opens another client)."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = TCPStore("127.0.0.1", port, is_master=True,
+                      timeout=datetime.timedelta(seconds=10))
+
+    def client() -> TCPStore:
+        return TCPStore("127.0.0.1", port, is_master=False,
+                        timeout=datetime.timedelta(seconds=10))
+
+    return server, port, client

@@ -44,6 +44,7 @@ def entry(scenario: str, rank: int, world: int, queue: Any, store_path: str,
 
 def _receive_all(channel) -> dict:
     from keepalive_executor.channel import ChannelError, MessageKind
+    from keepalive_executor.rpc import deserialize
 
     log: list[tuple[int, Any]] = []
     keepalives = 0
@@ -58,18 +59,21 @@ def _receive_all(channel) -> dict:
             elif msg.kind is MessageKind.SHUTDOWN:
                 return {"log": log, "keepalives": keepalives, "shutdown_seq": msg.seq}
             else:
-                log.append((msg.seq, msg.payload))
+                log.append((msg.seq, deserialize(msg.data)))
     except ChannelError as e:
         return {"log": log, "keepalives": keepalives, "error": str(e),
                 "error_type": type(e).__name__, "t_error": time.monotonic(), "t_first": t_first}
 
 
-def idle_survival(rank: int, world: int, idle_s: float, interval_s: float | None) -> dict:
-    """Driver: one message, ``idle_s`` of silence (paced or not), one message, shutdown."""
+def idle_survival(rank: int, world: int, idle_s: float, interval_s: float | None,
+                  wait: str = "block") -> dict:
+    """Driver: one message, ``idle_s`` of silence (paced or not), one message, shutdown.
+    ``wait``: how receivers wait (``poll`` is the GPU path's sleeping wait, here on gloo)."""
     from keepalive_executor.channel import BroadcastChannel
     from keepalive_executor.pacer import Pacer
+    from keepalive_executor.rpc import serialize
 
-    channel = BroadcastChannel(None, src=0, inline_bytes=256)
+    channel = BroadcastChannel(None, src=0, inline_bytes=256, wait=wait)
     if rank != 0:
         return _receive_all(channel)
     pacer = None
@@ -78,9 +82,9 @@ def idle_survival(rank: int, world: int, idle_s: float, interval_s: float | None
         pacer.start()
     out: dict = {}
     try:
-        channel.send("before")
+        channel.send(serialize("before"))
         time.sleep(idle_s)
-        channel.send("after")
+        channel.send(serialize("after"))
         if pacer is not None:
             pacer.stop()
             out["keepalives_sent"] = pacer.keepalives_sent
@@ -96,6 +100,7 @@ def concurrent_senders(rank: int, world: int, threads: int, per_thread: int) -> 
     """Driver: several threads send while a fast pacer runs; everyone logs by sequence."""
     from keepalive_executor.channel import BroadcastChannel
     from keepalive_executor.pacer import Pacer
+    from keepalive_executor.rpc import serialize
 
     channel = BroadcastChannel(None, src=0, inline_bytes=64)
     if rank != 0:
@@ -109,7 +114,7 @@ def concurrent_senders(rank: int, world: int, threads: int, per_thread: int) -> 
         for i in range(per_thread):
             # alternate small (inline) and large (two-collective) payloads
             payload = (t, i, b"x" * (200 if i % 3 == 0 else 8))
-            seq = channel.send(payload)
+            seq = channel.send(serialize(payload))
             with lock:
                 sent.append((seq, payload))
 
@@ -126,11 +131,12 @@ def concurrent_senders(rank: int, world: int, threads: int, per_thread: int) -> 
 def driver_dies(rank: int, world: int, after_s: float) -> dict:
     """Driver exits abruptly while receivers wait in the broadcast."""
     from keepalive_executor.channel import BroadcastChannel
+    from keepalive_executor.rpc import serialize
 
     channel = BroadcastChannel(None, src=0)
     if rank != 0:
         return _receive_all(channel)
-    channel.send("hello")
+    channel.send(serialize("hello"))
     time.sleep(after_s)
     os._exit(17)
 
@@ -138,6 +144,7 @@ def driver_dies(rank: int, world: int, after_s: float) -> dict:
 def receiver_dies(rank: int, world: int, victim: int) -> dict:
     """One receiver exits abruptly; the driver keeps sending until it notices."""
     from keepalive_executor.channel import BroadcastChannel, ChannelError
+    from keepalive_executor.rpc import serialize
 
     channel = BroadcastChannel(None, src=0)
     if rank == victim:
@@ -145,12 +152,12 @@ def receiver_dies(rank: int, world: int, victim: int) -> dict:
         os._exit(9)
     if rank != 0:
         return _receive_all(channel)
-    channel.send("first")
+    channel.send(serialize("first"))
     t_victim_gone = time.monotonic()
     sends = 0
     try:
         while time.monotonic() - t_victim_gone < 60:
-            channel.send(b"y" * 10)
+            channel.send(serialize(b"y" * 10))
             sends += 1
             time.sleep(0.01)
         return {"error": None, "sends": sends}

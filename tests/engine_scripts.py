@@ -59,7 +59,9 @@ def llm_generate(model: str, tp: int, backend: str | None, max_tokens: int = 24,
     set_binding(tp)
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(model, tp, backend))
+    # float32: vLLM would run the float32 checkpoint in bfloat16 on CPU, and bf16 rounding of
+    # sums split across ranks makes greedy paths part by chance
+    llm = LLM(**engine_kwargs(model, tp, backend, dtype="float32"))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     result: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
@@ -217,6 +219,115 @@ def step_stall(model: str, short_s: float, long_s: float, cpu_timeout_s: int) ->
     except Exception as e:  # noqa: BLE001 - the test reads the message
         result["long_error"] = f"{type(e).__name__}: {e}"
     result["long_elapsed_s"] = time.monotonic() - t0
+    return result
+
+
+def _driver_only_object() -> Any:
+    """An object whose class exists only in this process: it pickles by reference to a
+    module no other rank has, so every other rank fails to decode a call carrying it."""
+    import types
+
+    module = types.ModuleType("keepalive_driver_only")
+    cls = type("OnlyHere", (), {"__module__": "keepalive_driver_only"})
+    module.OnlyHere = cls
+    sys.modules["keepalive_driver_only"] = module
+    return cls()
+
+
+def inprocess_holes(model: str, fault_dir: str, backend: str = "keepalive") -> dict:
+    """One in-process engine (the user's process; VLLM_ENABLE_V1_MULTIPROCESSING=0), four
+    checks in order, the fatal one last:
+    1. a collective_rpc argument only rank 0 can decode: an error naming the rank, and the
+       engine stays usable;
+    2. collective_rpc from a second thread while the first generates: same answers, no hang;
+    3. rank 0 raises inside a model step: the call fails, and every later call fails at once
+       naming it (the other ranks already ran that step);
+    4. shutdown after that failure, timed."""
+    import threading
+
+    set_binding(2)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(model, 2, backend, worker_cls="fault_injection.FaultyCPUWorker"))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    gen = lambda: [list(o.outputs[0].token_ids)  # noqa: E731
+                   for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    result: dict[str, Any] = {}
+    before = gen()
+    try:
+        llm.collective_rpc(echo_len, args=([_driver_only_object()],))
+        result["undecodable"] = None
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        result["undecodable"] = f"{type(e).__name__}: {e}"
+    result["same_after_undecodable"] = gen() == before
+    rpc_results: list = []
+    stop = threading.Event()
+
+    def other_thread() -> None:
+        while not stop.is_set() and len(rpc_results) < 50:
+            rpc_results.append([r for r, _ in llm.collective_rpc(whoami)])
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    concurrent = [gen() for _ in range(3)]
+    stop.set()
+    t.join(60)
+    result["concurrent_same"] = all(c == before for c in concurrent)
+    result["concurrent_rpcs"] = len(rpc_results)
+    result["concurrent_rpc_ranks_ok"] = all(r == [0, 1] for r in rpc_results)
+    with open(os.path.join(fault_dir, "raise_rank0"), "w") as f:
+        f.write("1")
+    try:
+        gen()
+        result["rank0_error"] = None
+    except Exception as e:  # noqa: BLE001
+        result["rank0_error"] = f"{type(e).__name__}: {e}"
+    t0 = time.monotonic()
+    try:
+        gen()
+        result["next_error"] = None
+    except Exception as e:  # noqa: BLE001
+        result["next_error"] = f"{type(e).__name__}: {e}"
+    result["next_error_s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    llm.llm_engine.engine_core.shutdown()
+    result["shutdown_s"] = time.monotonic() - t0
+    return result
+
+
+def inprocess_rank_killed(model: str, fault_dir: str, backend: str = "keepalive") -> dict:
+    """In the user's own process: rank 1 is SIGKILLed inside a step (rank 0 does it, see
+    fault_injection ``kill_pid``). The call must fail within a bound and this process must
+    live on (the executor does not own it)."""
+    import psutil
+
+    set_binding(2)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(model, 2, backend, worker_cls="fault_injection.FaultyCPUWorker"))
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    title = "KeepaliveWorker_TP1" if backend == "keepalive" else "Worker_TP1"
+    [victim] = [p for p in psutil.Process().children(recursive=True) if title in p.name()]
+    with open(os.path.join(fault_dir, "kill_pid"), "w") as f:
+        f.write(str(victim.pid))
+    result: dict[str, Any] = {"pid": os.getpid()}
+    t0 = time.monotonic()
+    try:
+        llm.generate(PROMPTS, params, use_tqdm=False)
+        result["error"] = None
+    except Exception as e:  # noqa: BLE001
+        result["error"] = f"{type(e).__name__}: {e}"
+    result["error_s"] = time.monotonic() - t0  # the kill happens in the first step
+    result["victim_killed"] = not victim.is_running() or victim.status() == "zombie"
+    t0 = time.monotonic()
+    try:
+        llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        result["later_error"] = None
+    except Exception as e:  # noqa: BLE001
+        result["later_error"] = f"{type(e).__name__}: {e}"
+    result["later_error_s"] = time.monotonic() - t0
+    result["alive_after"] = True  # this line runs only if the process was not ended
     return result
 
 

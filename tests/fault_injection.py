@@ -3,6 +3,12 @@
 directory named by ``KEEPALIVE_FAULT_DIR``, so a test can arm them while the server runs:
 
 * ``raise_rank1``       rank 1 raises inside its next execute_model
+* ``raise_rank0``       rank 0 (the driver) raises inside its next execute_model, after the
+                        other ranks received the step
+* ``stall_rank1``       rank 1 sleeps N seconds inside its next execute_model (a stuck step)
+* ``kill_pid``          rank 0 SIGKILLs the process whose pid the file holds, inside its next
+                        execute_model (after the other ranks received the step): a rank lost
+                        in the middle of a step, deterministically
 * ``stall_schedule``    the engine loop sleeps N seconds in its next schedule(), outside any step
 
 Each file is removed when it fires, so a fault fires once.
@@ -18,6 +24,7 @@ Start-up delays of rank 1 (environment, inherited by its process), for
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -45,6 +52,12 @@ class FaultyCPUWorker(CPUWorker):
     def execute_model(self, scheduler_output: Any) -> Any:
         if self.rank == 1 and _take("raise_rank1") is not None:
             raise RuntimeError("injected step failure on rank 1")
+        if self.rank == 0 and _take("raise_rank0") is not None:
+            raise RuntimeError("injected step failure on rank 0")
+        if self.rank == 0 and (pid := _take("kill_pid")) is not None:
+            os.kill(int(pid), signal.SIGKILL)
+        if self.rank == 1 and (seconds := _take("stall_rank1")) is not None:
+            time.sleep(float(seconds))
         return super().execute_model(scheduler_output)
 
 

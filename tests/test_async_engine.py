@@ -2,7 +2,7 @@
 collective timeout, more requests, clean shutdown with no child process left."""
 
 import pytest
-from helpers import run_script
+from run_engine import run_script
 
 TIMEOUT_S = 5
 IDLE_S = 12.0  # well past the 5 s timeout: only the keepalive keeps the worker's wait alive

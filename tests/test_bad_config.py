@@ -1,32 +1,71 @@
-"""Bad settings make `vllm serve` exit non-zero before any model weight is loaded,
-with a message that names the setting."""
+"""Bad settings fail start-up in vLLM's front end, before any model weight is loaded, with a
+message that names the setting.
 
+Three cases go through `vllm serve` itself, as a user would meet them; every case goes
+through the same front-end path (vLLM's serve argument parser, ``create_engine_config``,
+``Executor.get_class``, which our plugin wraps) in one interpreter, which is much faster."""
+
+import json
 import subprocess
 import sys
 
 import pytest
-from helpers import env
+from run_engine import HERE
+from servers import env
 
 CASES = [
-    ({"VLLM_KEEPALIVE_INTERVAL_S": "100"}, [], ["VLLM_KEEPALIVE_INTERVAL_S=100", "at most half",
-                                                 "5s", "--distributed-timeout-seconds"]),
-    ({"VLLM_KEEPALIVE_INTERVAL_S": "soon"}, [], ["VLLM_KEEPALIVE_INTERVAL_S='soon'",
-                                                  "not a number"]),
-    ({"VLLM_KEEPALIVE_INTERVAL_S": "0"}, [], ["VLLM_KEEPALIVE_INTERVAL_S=0", "must be positive"]),
-    ({}, ["--additional-config", '{"keepalive_interval_s": -2}'],
+    ("too-large", {"VLLM_KEEPALIVE_INTERVAL_S": "100"}, [],
+     ["VLLM_KEEPALIVE_INTERVAL_S=100", "at most half", "5s", "--distributed-timeout-seconds"]),
+    ("nan", {"VLLM_KEEPALIVE_INTERVAL_S": "soon"}, [],
+     ["VLLM_KEEPALIVE_INTERVAL_S='soon'", "not a number"]),
+    ("zero", {"VLLM_KEEPALIVE_INTERVAL_S": "0"}, [],
+     ["VLLM_KEEPALIVE_INTERVAL_S=0", "must be positive"]),
+    ("additional-config", {}, ["--additional-config", '{"keepalive_interval_s": -2}'],
      ["keepalive_interval_s=-2", "must be positive"]),
-    ({"VLLM_KEEPALIVE_TRANSPORT": "carrier-pigeon"}, [],
+    ("transport", {"VLLM_KEEPALIVE_TRANSPORT": "carrier-pigeon"}, [],
      ["VLLM_KEEPALIVE_TRANSPORT='carrier-pigeon'", "'device'", "'cpu'"]),
-    ({}, ["-pp", "2"], ["ipeline"]),
+    ("pcp", {}, ["--prefill-context-parallel-size", "2"], ["prefill-context-parallel"]),
+    # settings once read at import time (a bare ValueError, or -5 accepted)
+    ("failure-grace", {"VLLM_KEEPALIVE_FAILURE_GRACE_S": "abc"}, [],
+     ["VLLM_KEEPALIVE_FAILURE_GRACE_S='abc'", "not a number"]),
+    ("startup-timeout", {"VLLM_KEEPALIVE_STARTUP_TIMEOUT_S": "-5"}, [],
+     ["VLLM_KEEPALIVE_STARTUP_TIMEOUT_S='-5'", "must be positive"]),
+    ("execute-timeout", {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "0"}, [],
+     ["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS='0'", "must be positive"]),
+    ("liveness-timeout", {"VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S": "inf"}, [],
+     ["VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S='inf'", "not a finite number"]),
 ]
+BASE_ARGS = ["-tp", "2", "--distributed-executor-backend", "keepalive",
+             "--distributed-timeout-seconds", "5", "--enforce-eager"]
 
 
-@pytest.mark.parametrize("extra_env, args, needles", CASES,
-                         ids=["too-large", "nan", "zero", "additional-config", "transport", "pp"])
-def test_bad_setting_fails_before_loading(tiny_model, extra_env, args, needles):
+@pytest.fixture(scope="module")
+def frontend_errors(tiny_model):
+    cases = [{"id": i, "env": e, "args": ["--model", tiny_model, *BASE_ARGS, *a]}
+             for i, e, a, _ in CASES]
+    proc = subprocess.run([sys.executable, str(HERE / "frontend_check.py"), json.dumps(cases)],
+                          env=env(), capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("case_id, needles", [(c[0], c[3]) for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_bad_setting_fails_in_the_front_end_naming_it(frontend_errors, case_id, needles):
+    out = frontend_errors[case_id]
+    assert out["error"] is not None, "the front end accepted it"
+    # vLLM's config validation (pydantic) runs our check and wraps its error
+    assert out["error_type"] in ("KeepaliveConfigError", "ValidationError"), out
+    for needle in needles:
+        assert needle in out["error"], f"{needle!r} not in {out['error']!r}"
+
+
+@pytest.mark.parametrize("case_id", ["too-large", "failure-grace", "pcp"])
+def test_bad_setting_through_vllm_serve_exits_before_loading(tiny_model, case_id):
+    _, extra_env, args, needles = next(c for c in CASES if c[0] == case_id)
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", tiny_model,
-           "-tp", "2", "--distributed-executor-backend", "keepalive",
-           "--distributed-timeout-seconds", "5", "--enforce-eager", "--port", "0", *args]
+           *BASE_ARGS, "--port", "0", *args]
     proc = subprocess.run(cmd, env=env(**extra_env), capture_output=True, text=True,
                           timeout=300)
     out = proc.stdout + proc.stderr

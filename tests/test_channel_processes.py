@@ -6,9 +6,12 @@ TIMEOUT_S = 2.0
 IDLE_S = 10.0  # five times the collective timeout
 
 
-def test_receivers_survive_idle_of_5x_timeout_with_pacer(ranks):
+@pytest.mark.parametrize("wait", ["block", "poll"])
+def test_receivers_survive_idle_of_5x_timeout_with_pacer(ranks, wait):
+    """``poll`` is the sleeping wait receivers use on a GPU; it is transport-agnostic, so
+    gloo tests it here."""
     res = ranks("idle_survival", 3, timeout_s=TIMEOUT_S, wall_s=90, idle_s=IDLE_S,
-                interval_s=TIMEOUT_S / 4)
+                interval_s=TIMEOUT_S / 4, wait=wait)
     assert set(res) == {0, 1, 2}
     assert "error" not in res[0], res[0]
     for r in (1, 2):
@@ -18,9 +21,10 @@ def test_receivers_survive_idle_of_5x_timeout_with_pacer(ranks):
         assert res[r]["keepalives"] == res[0]["keepalives_sent"] >= IDLE_S / TIMEOUT_S
 
 
-def test_negative_control_without_pacer_receivers_time_out(ranks):
+@pytest.mark.parametrize("wait", ["block", "poll"])
+def test_negative_control_without_pacer_receivers_time_out(ranks, wait):
     res = ranks("idle_survival", 3, timeout_s=TIMEOUT_S, wall_s=90, idle_s=IDLE_S,
-                interval_s=None)
+                interval_s=None, wait=wait)
     for r in (1, 2):
         assert res[r]["log"] == [(1, "before")]
         assert res[r]["error_type"] == "ChannelTransportError"

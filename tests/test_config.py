@@ -7,7 +7,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from keepalive_executor.config import (
+    ENV_EXECUTE_TIMEOUT,
+    ENV_FAILURE_GRACE,
     ENV_INTERVAL,
+    ENV_LIVENESS_TIMEOUT,
+    ENV_NCCL_HEARTBEAT,
+    ENV_STARTUP_TIMEOUT,
     ENV_TRANSPORT,
     KeepaliveConfigError,
     check_parallel_layout,
@@ -47,9 +52,37 @@ def test_cpu_transport_uses_the_cpu_timeout():
     assert (s.transport, s.timeout_s, s.interval_s) == ("cpu", 20.0, 5.0)
 
 
-def test_nccl_default_timeout():
+def test_nccl_timeout_is_the_smaller_of_the_group_timeout_and_the_watchdog_heartbeat():
+    # torch's NCCL defaults: 600 s group timeout, 480 s heartbeat timeout
     s = settings_from_vllm_config(cfg(), env={}, dist_backend="nccl")
+    assert (s.timeout_s, s.timeout_source) == (480.0, ENV_NCCL_HEARTBEAT)
+    s = settings_from_vllm_config(cfg(), env={ENV_NCCL_HEARTBEAT: "1000"}, dist_backend="nccl")
     assert s.timeout_s == 600.0
+    s = settings_from_vllm_config(cfg(timeout=100), env={}, dist_backend="nccl")
+    assert (s.timeout_s, s.timeout_source) == (100.0, "--distributed-timeout-seconds")
+    with pytest.raises(KeepaliveConfigError, match="TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"):
+        settings_from_vllm_config(cfg(timeout=100), env={ENV_NCCL_HEARTBEAT: "20",
+                                                         ENV_INTERVAL: "15"},
+                                  dist_backend="nccl")
+    # gloo has no heartbeat: the variable is ignored
+    assert settings({ENV_NCCL_HEARTBEAT: "1"}, timeout=8).timeout_s == 8.0
+
+
+@pytest.mark.parametrize("name, default", [
+    (ENV_FAILURE_GRACE, 0.5), (ENV_STARTUP_TIMEOUT, 600.0), (ENV_LIVENESS_TIMEOUT, 1.5),
+    (ENV_EXECUTE_TIMEOUT, 300.0),
+])
+def test_every_seconds_setting_is_validated_naming_itself(name, default):
+    field = {ENV_FAILURE_GRACE: "failure_grace_s", ENV_STARTUP_TIMEOUT: "startup_timeout_s",
+             ENV_LIVENESS_TIMEOUT: "liveness_timeout_s",
+             ENV_EXECUTE_TIMEOUT: "execute_timeout_s"}[name]
+    assert getattr(settings({}), field) == default
+    assert getattr(settings({name: "2.5"}), field) == 2.5
+    for raw, needle in [("abc", "not a number"), ("-5", "must be positive"),
+                        ("0", "must be positive"), ("inf", "not a finite number")]:
+        with pytest.raises(KeepaliveConfigError) as e:
+            settings({name: raw})
+        assert name in str(e.value) and needle in str(e.value) and raw in str(e.value)
 
 
 def test_additional_config_wins_over_environment():

@@ -2,7 +2,7 @@
 collective_rpc with callables, an error on rank 1 only, and a per-rank RPC end to end."""
 
 import pytest
-from helpers import run_script
+from run_engine import run_script
 
 
 @pytest.fixture(scope="module")
@@ -18,10 +18,10 @@ def test_greedy_outputs_equal_mp_and_tp1(tiny_model, keepalive_run):
     # Same TP layout, same arithmetic: every token identical to mp.
     assert keepalive_run["tokens"] == mp["tokens"]
     assert all(len(t) == 24 for t in keepalive_run["tokens"])
-    # TP=1 sums the same products in another order, so on a random model whose top logits
-    # are close, greedy paths can part after a while (mp at TP=2 parts from TP=1 at token
-    # 9 of one prompt on this machine). The first 8 tokens of every prompt agree.
-    assert [t[:8] for t in keepalive_run["tokens"]] == [t[:8] for t in tp1["tokens"]]
+    # TP=1 sums the same products in another order. In float32 (what the scripts run) the
+    # difference stays far below the gaps between this model's top logits, so the greedy
+    # paths agree (in bfloat16 they parted after 8 tokens in one run, and earlier in another).
+    assert keepalive_run["tokens"] == tp1["tokens"]
 
 
 def test_collective_rpc_callable_runs_on_every_rank_in_order(keepalive_run):

@@ -10,7 +10,7 @@ import re
 import urllib.request
 
 import pytest
-from helpers import Server
+from servers import Server
 
 pytestmark = pytest.mark.slow
 

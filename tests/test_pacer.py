@@ -195,3 +195,34 @@ def test_thread_failure_is_reported_once_and_pacer_fails():
         pacer.begin_step()
     pacer.stop()
     assert len(reported) == 1 and pacer.state is PacerState.FAILED
+
+
+def test_stop_is_bounded_and_steps_never_wait_while_a_keepalive_send_blocks():
+    """A send that blocks (on a GPU a copy can wait for the previous broadcast) must not
+    hold the engine: begin/finish_step and stop return while it is stuck."""
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck_send() -> None:
+        entered.set()
+        release.wait()
+
+    pacer = Pacer(0.01, stuck_send)
+    pacer.start()
+    assert entered.wait(30)
+    done = threading.Event()
+
+    def engine() -> None:
+        pacer.begin_step()
+        pacer.finish_step()
+        done.set()
+
+    threading.Thread(target=engine, daemon=True).start()
+    assert done.wait(10), "begin_step/finish_step waited for a keepalive send"
+    t0 = time.monotonic()
+    assert pacer.stop(timeout=0.5) is False  # the thread is still inside the send
+    assert time.monotonic() - t0 < 5
+    release.set()
+    sent_before = pacer.keepalives_sent
+    time.sleep(0.1)
+    assert pacer.keepalives_sent <= sent_before + 1  # at most the send already under way
+    assert pacer.stop(timeout=5) is True

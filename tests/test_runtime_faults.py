@@ -3,7 +3,7 @@
 import os
 
 import pytest
-from helpers import HERE, run_script
+from run_engine import HERE, run_script
 
 PYTHONPATH = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
 
@@ -14,7 +14,7 @@ def test_oversize_and_unpicklable_arguments_fail_cleanly_and_channel_stays_in_sy
         "VLLM_KEEPALIVE_MAX_PAYLOAD_BYTES": str(1 << 20)})
     assert res["oversize"].startswith("PayloadTooLargeError")
     assert "exceeds the channel limit of 1048576 bytes; nothing was sent" in res["oversize"]
-    assert res["unpicklable"].startswith("ChannelSerializationError")
+    assert res["unpicklable"].startswith("RpcSerializationError")
     assert "cannot serialize" in res["unpicklable"]
     assert res["small"] == [1000, 1000]
     assert res["same_after"]
@@ -52,3 +52,50 @@ def test_negative_control_the_same_delay_inside_the_rendezvous_fails(tiny_model)
         "KEEPALIVE_SLOW_RENDEZVOUS_S": "6"})
     assert not res["started"], res
     assert "Wait timeout" in res["error"]  # gloo's rendezvous gave up, as in the CI failure
+
+
+@pytest.mark.slow
+def test_in_process_holes_undecodable_call_concurrent_rpc_and_a_rank0_step_error(
+        tiny_model, tmp_path):
+    fault_dir = tmp_path / "faults"
+    fault_dir.mkdir()
+    res = run_script("inprocess_holes", model=tiny_model, fault_dir=str(fault_dir), extra_env={
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
+        "KEEPALIVE_FAULT_DIR": str(fault_dir)})
+    # 1. rank 1 could not decode the argument: it answered with an error naming itself,
+    #    the ranks stayed in step, the engine stayed usable with the same answers
+    assert res["undecodable"].startswith("WorkerRpcError"), res["undecodable"]
+    assert "failed on rank 1" in res["undecodable"]
+    assert "could not decode" in res["undecodable"] and "keepalive_driver_only" in res[
+        "undecodable"]
+    assert res["same_after_undecodable"]
+    # 2. a second thread's collective_rpcs interleaved with generation: same answers
+    assert res["concurrent_same"] and res["concurrent_rpcs"] > 0
+    assert res["concurrent_rpc_ranks_ok"]
+    # 3. rank 0 raised after rank 1 had received the step: that call fails, and every later
+    #    call fails at once naming the cause instead of pairing with stale collectives
+    assert "injected step failure on rank 0" in res["rank0_error"]
+    assert "keepalive executor failed: execute_model raised on rank 0" in res["next_error"]
+    assert "out of step" in res["next_error"]
+    assert res["next_error_s"] < 5
+    # 4. rank 1 is stuck in that step's collective; its death pipe is closed first, so
+    #    shutdown does not wait out a grace period and SIGTERM escalation (about 9 s)
+    assert res["shutdown_s"] < 4, res["shutdown_s"]
+
+
+@pytest.mark.slow
+def test_in_process_rank_killed_mid_step_fails_the_call_and_the_process_lives(tiny_model,
+                                                                              tmp_path):
+    """The engine runs in the user's process: the executor must not end it. Rank 1 dies
+    inside a step, so rank 0's collective can never finish; after the grace the pending call
+    fails instead, and every later call fails at once."""
+    fault_dir = tmp_path / "faults"
+    fault_dir.mkdir()
+    res = run_script("inprocess_rank_killed", model=tiny_model, fault_dir=str(fault_dir),
+                     extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
+                                "KEEPALIVE_FAULT_DIR": str(fault_dir)})
+    assert res["victim_killed"] and res["alive_after"]
+    assert res["error"] is not None and "worker rank 1" in res["error"], res
+    assert "died unexpectedly" in res["error"] and "still inside execute_model" in res["error"]
+    assert res["error_s"] < 10, res  # the grace is 0.5 s; a hang would be forever
+    assert "keepalive executor failed" in res["later_error"] and res["later_error_s"] < 5

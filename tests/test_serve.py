@@ -3,7 +3,8 @@
 import time
 
 import pytest
-from helpers import Server, alive
+from procs import alive
+from servers import Server
 
 TIMEOUT = "5"  # --distributed-timeout-seconds: the device group's timeout (default transport)
 IDLE_S = 30.0  # six times the timeout

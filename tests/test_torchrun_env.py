@@ -99,66 +99,140 @@ def test_entry_point_outside_torchrun_is_a_clear_usage_error():
 
 # ---------------------------------------------------------------- bootstrap on a real store
 
+SECRET = b"s" * 32
+
 
 @pytest.fixture
-def store_env():
-    """A real TCPStore server on loopback (what torchrun's agent hosts) and a rank-1 view."""
-    import datetime
-    import socket
-
-    from torch.distributed import TCPStore
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = TCPStore("127.0.0.1", port, is_master=True,
-                      timeout=datetime.timedelta(seconds=10))
-    env = TorchrunEnv.from_environ({**GOOD, "MASTER_ADDR": "127.0.0.1",
-                                    "MASTER_PORT": str(port)})
-    yield server, env
+def store_env(tcp_store):
+    """The store server and a rank-1 view of torchrun's environment pointing at it."""
+    server, port, _ = tcp_store
+    env = TorchrunEnv.from_environ({**GOOD, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    return server, env
 
 
 def test_bootstrap_first_poster_wins_and_round_trips(store_env):
-    from keepalive_executor.torchrun import connect_store, post_bootstrap, wait_bootstrap
+    from keepalive_executor.torchrun.bootstrap import (
+        connect_store,
+        post_bootstrap,
+        wait_bootstrap,
+    )
 
     store, env = store_env
     client = connect_store(env, timeout_s=10)
-    assert post_bootstrap(store, env, {"vllm_config": {"model": "m"}, "settings": {"x": 1}})
-    assert not post_bootstrap(store, env, {"error": "too late"})  # the first stays
-    boot = wait_bootstrap(client, env, timeout_s=5)
-    assert boot["vllm_config"] == {"model": "m"} and boot["settings"] == {"x": 1}
+    assert post_bootstrap(store, env, {"vllm_config": {"model": "m"}, "spec": 1}, SECRET)
+    assert not post_bootstrap(store, env, {"error": "too late"}, SECRET)  # the first stays
+    boot = wait_bootstrap(client, env, 5, SECRET)
+    assert boot["vllm_config"] == {"model": "m"} and boot["spec"] == 1
 
 
 def test_bootstrap_wait_times_out_with_a_clear_error(store_env):
-    from keepalive_executor.torchrun import wait_bootstrap
+    from keepalive_executor.torchrun.bootstrap import wait_bootstrap
 
     store, env = store_env
     with pytest.raises(TorchrunError, match="rank 0 published no configuration within 1.5s"):
-        wait_bootstrap(store, env, timeout_s=1.5)
+        wait_bootstrap(store, env, 1.5, SECRET)
 
 
 def test_bootstrap_from_another_version_is_refused(store_env):
-    import pickle
-
-    from keepalive_executor.torchrun import wait_bootstrap
+    from keepalive_executor.torchrun.bootstrap import sign, wait_bootstrap
 
     store, env = store_env
-    store.set(env.key("bootstrap"), pickle.dumps({"version": 99, "error": None}))
+    key = env.key("bootstrap")
+    store.set(key, sign(SECRET, key, {"version": 99, "error": None}))
     with pytest.raises(TorchrunError, match="bootstrap version 99.*same keepalive-executor"):
-        wait_bootstrap(store, env, timeout_s=5)
+        wait_bootstrap(store, env, 5, SECRET)
+
+
+class _Payload:
+    """Unpickling this runs code: it creates the file named at construction."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "other-secret", "other-key"])
+def test_a_forged_bootstrap_is_refused_before_anything_is_unpickled(store_env, tmp_path,
+                                                                    forgery):
+    import os
+    import pickle
+
+    from keepalive_executor.torchrun.bootstrap import sign, wait_bootstrap
+
+    store, env = store_env
+    marker = tmp_path / "pwned"
+    key = env.key("bootstrap")
+    evil = {"version": 2, "vllm_config": _Payload(str(marker))}
+    raw = {"unsigned": pickle.dumps(evil),
+           "other-secret": sign(b"x" * 32, key, evil),
+           # a value really signed by this deployment, but for another attempt's key
+           "other-key": sign(SECRET, env.key("bootstrap") + "-old", evil)}[forgery]
+    store.set(key, raw)
+    needle = "not signed" if forgery == "unsigned" else "failed authentication"
+    with pytest.raises(TorchrunError, match=needle):
+        wait_bootstrap(store, env, 5, SECRET)
+    assert not os.path.exists(marker), "the forged bootstrap ran code"
+    # negative control: the same payload, unpickled without the check, does run code
+    pickle.loads(pickle.dumps(evil))
+    assert os.path.exists(marker)
+
+
+def test_secret_sources_and_their_errors(tmp_path, monkeypatch):
+    from keepalive_executor.torchrun.bootstrap import (
+        create_node_secret,
+        load_secret,
+        node_secret_path,
+    )
+
+    two_nodes = TorchrunEnv.from_environ({**GOOD, "LOCAL_WORLD_SIZE": "1"})
+    one_node = TorchrunEnv.from_environ({**GOOD, "LOCAL_WORLD_SIZE": "2"})
+    with pytest.raises(TorchrunError, match="several nodes .* needs a shared secret.*"
+                                            "VLLM_KEEPALIVE_SECRET"):
+        load_secret(two_nodes, {})
+    assert load_secret(two_nodes, {"VLLM_KEEPALIVE_SECRET": "k" * 16})[0] == b"k" * 16
+    with pytest.raises(TorchrunError, match="at least 16"):
+        load_secret(two_nodes, {"VLLM_KEEPALIVE_SECRET": "short"})
+    f = tmp_path / "key"
+    f.write_text("f" * 40 + "\n")
+    f.chmod(0o644)
+    with pytest.raises(TorchrunError, match="readable by group or others.*chmod 600"):
+        load_secret(two_nodes, {"VLLM_KEEPALIVE_SECRET_FILE": str(f)})
+    f.chmod(0o600)
+    assert load_secret(two_nodes, {"VLLM_KEEPALIVE_SECRET_FILE": str(f)})[0] == b"f" * 40
+    # one node, nothing set: the per-run secret rank 0 creates in a private directory
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    environ = {"XDG_RUNTIME_DIR": str(runtime)}
+    path = create_node_secret(one_node, environ)
+    assert path == node_secret_path(one_node, environ)
+    assert oct(os_mode(path)) == oct(0o600)
+    secret, source = load_secret(one_node, environ)
+    assert len(secret) == 64 and "per-run secret" in source
+    runtime.chmod(0o755)  # a directory others can enter is refused
+    with pytest.raises(TorchrunError, match="mode 700"):
+        load_secret(one_node, environ)
+
+
+def os_mode(path):
+    import os
+    import stat
+
+    return stat.S_IMODE(os.stat(path).st_mode)
 
 
 def test_error_post_waits_for_the_other_ranks_to_have_read_it(store_env):
     import threading
     import time
 
-    from keepalive_executor.torchrun import post_error, wait_bootstrap
+    from keepalive_executor.torchrun.bootstrap import post_bootstrap, post_error, wait_bootstrap
 
     store, env = store_env
     seen = {}
 
     def follower():
-        boot = wait_bootstrap(store, env, timeout_s=10)
+        boot = wait_bootstrap(store, env, 10, SECRET)
         time.sleep(0.5)  # a slow reader: rank 0 must still be there when it acknowledges
         store.add(env.key("error-seen"), 1)
         seen["error"] = boot["error"]
@@ -166,7 +240,7 @@ def test_error_post_waits_for_the_other_ranks_to_have_read_it(store_env):
     t = threading.Thread(target=follower)
     t.start()
     t0 = time.monotonic()
-    assert post_error(store, env, "boom", wait_s=10)
+    assert post_error(store, env, "boom", SECRET, wait_s=10)
     waited = time.monotonic() - t0
     t.join(10)
     assert seen == {"error": "boom"}
@@ -175,9 +249,30 @@ def test_error_post_waits_for_the_other_ranks_to_have_read_it(store_env):
     store2_env = TorchrunEnv.from_environ({**GOOD, "MASTER_ADDR": "127.0.0.1",
                                            "MASTER_PORT": str(env.master_port),
                                            "TORCHELASTIC_RESTART_COUNT": "4"})
-    from keepalive_executor.torchrun import post_bootstrap
-
-    post_bootstrap(store, store2_env, {"vllm_config": {}, "settings": {}})
+    post_bootstrap(store, store2_env, {"vllm_config": {}, "spec": None}, SECRET)
     t0 = time.monotonic()
-    assert not post_error(store, store2_env, "late", wait_s=10)
+    assert not post_error(store, store2_env, "late", SECRET, wait_s=10)
     assert time.monotonic() - t0 < 2
+
+
+def test_a_follower_process_refuses_a_forged_bootstrap_and_runs_nothing(store_env, tmp_path):
+    """The real follower (`python -m keepalive_executor serve` as rank 1) finds a bootstrap
+    on torchrun's store that another secret signed: it exits 1 naming the cause, and the
+    payload, which would create a file if unpickled, never ran."""
+    import os
+
+    from keepalive_executor.torchrun.bootstrap import sign
+
+    store, env = store_env
+    marker = tmp_path / "pwned"
+    key = env.key("bootstrap")
+    store.set(key, sign(b"x" * 32, key, {"version": 2, "vllm_config": _Payload(str(marker))}))
+    child_env = {**GOOD, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(env.master_port),
+                 "VLLM_KEEPALIVE_SECRET": SECRET.decode(), "PATH": os.environ["PATH"],
+                 "VLLM_KEEPALIVE_STARTUP_TIMEOUT_S": "20"}
+    proc = subprocess.run([sys.executable, "-m", "keepalive_executor", "serve", "m"],
+                          env=child_env, capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "rank 1 not starting" in out and "failed authentication (HMAC mismatch)" in out
+    assert not marker.exists()

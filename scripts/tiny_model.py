@@ -1,6 +1,6 @@
 """Build the tiny local Llama model the demo, tests and benchmarks serve (no model hub).
 
-``python -m keepalive_executor.tiny_model DIR`` writes a 2-layer Llama with random
+``python scripts/tiny_model.py [DIR]`` writes a 2-layer Llama with random
 (seeded) float32 weights and a byte-level BPE tokenizer trained on a few sentences:
 vocab 512, hidden 256, 4 heads, 2 KV heads (head_dim 64), so TP=2 splits it evenly.
 Building is deterministic and idempotent: an existing complete model is left alone.

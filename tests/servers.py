@@ -1,19 +1,23 @@
-"""Helpers for engine-level tests: the tiny model, running scripts, serving."""
+"""`vllm serve` and `torchrun -m keepalive_executor serve` of the tiny model, as real
+processes in their own sessions with their logs in files: shared by the tests and the
+benchmarks (benchmarks/ puts tests/ on sys.path)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
+from procs import name_of, tagged_processes
 
-HERE = Path(__file__).resolve().parent
+__all__ = ["BASE_ENV", "env", "free_port", "Server", "TorchrunServer", "by_title"]
+
 BASE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "0|1",
@@ -29,51 +33,6 @@ def env(**extra: str) -> dict[str, str]:
     e.update(BASE_ENV)
     e.update(extra)
     return e
-
-
-def run_script(name: str, timeout: float = 600, extra_env: dict | None = None,
-               **kwargs) -> dict:
-    """Run engine_scripts.NAME in a fresh interpreter; return its RESULT or fail with its log."""
-    popen = subprocess.Popen(
-        [sys.executable, str(HERE / "engine_scripts.py"), name, json.dumps(kwargs)],
-        env=env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )
-    try:
-        stdout, stderr = popen.communicate(timeout=timeout)
-    finally:
-        if popen.poll() is None:
-            os.killpg(popen.pid, 9)
-            popen.wait()
-    proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
-    # No orphans: once the script has exited, nothing of its session may be left running.
-    leftovers = session_processes(popen.pid)
-    if leftovers:
-        for p in leftovers:
-            p.kill()
-        raise AssertionError(f"{name} left processes behind: {leftovers}")
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise AssertionError(
-        f"{name} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    )
-
-
-def session_processes(sid: int, wait_s: float = 15.0) -> list[psutil.Process]:
-    """Processes still alive in session ``sid`` after up to ``wait_s`` seconds."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        found = []
-        for p in psutil.process_iter():
-            try:
-                if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
-                    found.append(p)
-            except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
-                pass
-        if not found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.2)
 
 
 def free_port() -> int:
@@ -102,7 +61,11 @@ class Server:
         e = env(**(extra_env or {}))
         if tp == 1:
             e["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+        self.args = args
+        self.leftovers: list[str] = []
         self._log = open(log_path, "w")
+        self._log.write("$ " + " ".join(args) + "\n")
+        self._log.flush()
         self.proc = subprocess.Popen(args, env=e, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -154,7 +117,8 @@ class Server:
                              timeout=60)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
-        """Signal the server; wait; kill the whole session if it lingers. Returns exit code."""
+        """Signal the server; wait; kill the whole session if it lingers. Returns the exit
+        code; ``self.leftovers`` names what was still running 5 s after the server exited."""
         tree = self.tree()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -163,6 +127,10 @@ class Server:
             except subprocess.TimeoutExpired:
                 pass
         code = self.proc.poll()
+        _, lingering = psutil.wait_procs(tree, timeout=5)
+        self.leftovers = [f"{p.pid}:{name_of(p)}" for p in lingering]
+        if code is None:
+            self.leftovers.append("the server itself needed SIGKILL")
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -177,41 +145,6 @@ def by_title(server: Server, title: str) -> list[psutil.Process]:
     return [p for p in server.tree() if title in p.name()]
 
 
-def left_after(procs: list[psutil.Process], seconds: float) -> list[str]:
-    """Processes of ``procs`` still running ``seconds`` from now (each may exit meanwhile)."""
-    psutil.wait_procs([p for p in procs if p.is_running()], timeout=seconds)
-    return alive(procs)
-
-
-def alive(procs: list[psutil.Process]) -> list[str]:
-    """``"pid name"`` of each process still running (zombies count as gone)."""
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(f"{p.pid} {p.name()}")
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def tagged_processes(tag: str) -> list[psutil.Process]:
-    """Every live process whose environment still shows ``KEEPALIVE_TEST_TAG=tag``.
-
-    torchrun starts each rank in its own session, so a session does not find them; the
-    inherited environment finds those that did not overwrite it (setproctitle does).
-    """
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() == psutil.STATUS_ZOMBIE:
-                continue
-            if p.environ().get("KEEPALIVE_TEST_TAG") == tag:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
-
 
 class TorchrunServer(Server):
     """`torchrun ... -m keepalive_executor serve` of the tiny model: one agent per node.
@@ -224,9 +157,8 @@ class TorchrunServer(Server):
                  tp: int = 2, extra_args: list[str] | None = None,
                  extra_env: dict | None = None, node_env: list[dict] | None = None,
                  rdzv: str = "static", launch_args: list[str] | None = None,
-                 master_addr: str = "127.0.0.1", node_prefix: list[list[str]] | None = None):
-        import uuid
-
+                 master_addr: str = "127.0.0.1", node_prefix: list[list[str]] | None = None,
+                 log_prefix: str = "torchrun"):
         self.port = free_port()
         self.tag = uuid.uuid4().hex
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -238,6 +170,7 @@ class TorchrunServer(Server):
             "--max-num-seqs", "8", "--gpu-memory-utilization", "0.2",
             "--served-model-name", "tiny", "--seed", "0", *(extra_args or []),
         ]
+        self.leftovers: list[str] = []
         self.agents: list[subprocess.Popen] = []
         self.log_paths: list[Path] = []
         self._logs = []
@@ -254,8 +187,11 @@ class TorchrunServer(Server):
             # e.g. ["ip", "netns", "exec", NS]: that node's agent runs in its own network
             launch = [*(node_prefix or [[]] * nnodes)[node], *launch]
             e = env(KEEPALIVE_TEST_TAG=self.tag, **(extra_env or {}))
+            if nnodes > 1:
+                # several "nodes" share one secret, as a deployment's would (bootstrap HMAC)
+                e.setdefault("VLLM_KEEPALIVE_SECRET", self.tag * 2)
             e.update((node_env or [{}] * nnodes)[node])
-            path = log_dir / f"torchrun-node{node}.log"
+            path = log_dir / f"{log_prefix}-node{node}.log"
             log = open(path, "w")
             self.log_paths.append(path)
             self._logs.append(log)
@@ -265,6 +201,7 @@ class TorchrunServer(Server):
             if rdzv != "static" and node == 0:
                 time.sleep(1.0)  # agent 0 hosts the c10d store: let it bind first
         self.proc = self.agents[0]
+        self.log_path = self.log_paths[0]
 
     def log(self, node: int = 0) -> str:
         if not self._logs[node].closed:
@@ -319,7 +256,7 @@ class TorchrunServer(Server):
         for a in self.agents:
             if a.poll() is None:
                 os.killpg(a.pid, signal.SIGKILL)
-        self.kill_leftovers()
+        self.leftovers = self.kill_leftovers()
         for log in self._logs:
             log.close()
         return self.agents[0].poll()
@@ -333,34 +270,6 @@ class TorchrunServer(Server):
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(left, timeout=10)
-        return [f"{p.pid} {p.name()}" for p in left]
+        return [f"{p.pid} {name_of(p)}" for p in left]
 
 
-class VethPair:
-    """A second "host" for multi-node tests: a network namespace joined to this one by a
-    veth pair, ``10.77.<n>.1`` here and ``10.77.<n>.2`` there. Needs root and iproute2."""
-
-    def __init__(self) -> None:
-        n = os.getpid() % 200 + 20
-        self.ns = f"ka-test-{os.getpid()}"
-        self.here_if, self.there_if = f"kav{os.getpid() % 100000}h", f"kav{os.getpid() % 100000}t"
-        self.here_ip, self.there_ip = f"10.77.{n}.1", f"10.77.{n}.2"
-        self.prefix = ["ip", "netns", "exec", self.ns]
-
-    def up(self) -> None:
-        def ip(*args: str) -> None:
-            subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-        ip("netns", "add", self.ns)
-        ip("link", "add", self.here_if, "type", "veth", "peer", "name", self.there_if)
-        ip("link", "set", self.there_if, "netns", self.ns)
-        ip("addr", "add", f"{self.here_ip}/24", "dev", self.here_if)
-        ip("link", "set", self.here_if, "up")
-        ip("netns", "exec", self.ns, "ip", "addr", "add", f"{self.there_ip}/24", "dev",
-           self.there_if)
-        ip("netns", "exec", self.ns, "ip", "link", "set", self.there_if, "up")
-        ip("netns", "exec", self.ns, "ip", "link", "set", "lo", "up")
-
-    def down(self) -> None:
-        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", self.here_if], capture_output=True)

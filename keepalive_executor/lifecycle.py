@@ -1,0 +1,280 @@
+"""The executor's failure model: its named states, and the watch over the step rank 0 is in.
+
+States
+======
+
+::
+
+                   fail(reason)                     shutdown()
+     +---------+ ---------------> +--------+ ----------------------> +---------+
+     | RUNNING |                  | FAILED |                         | STOPPED |
+     +---------+ ----------------------------------------------------> +---------+
+                                shutdown()
+
+States only move forward. ``FAILED`` is entered once, with the first reason (a rank died, a
+collective broke or timed out, a step raised on rank 0 after the other ranks had received it);
+every later call raises :class:`ExecutorFailedError` naming that reason at once. ``is_failed``
+is what vLLM's fault-tolerance sentinel reads on ``MultiprocExecutor``.
+
+Which step is rank 0 in
+=======================
+
+:class:`Lifecycle` also records the step rank 0's thread is inside (its name, when it began,
+its deadline). "Is a step running" and "has a rank failed" are one decision under one lock:
+:meth:`Lifecycle.enter` refuses to begin a step once failed, and :meth:`Lifecycle.fail`
+captures the step in progress at the moment of failure. A step that is still inside after a
+failure is one whose collectives may wait for the failed rank forever (the CPU shared-memory
+all-reduce and an NCCL kernel have no timeout of their own).
+
+:class:`StepWatch` (thread ``keepalive-step-watch``) acts on two deadlines, decided by the pure
+function :func:`decide` with an injectable clock:
+
+* **step timeout**: a step still inside after its deadline (``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``
+  for model steps, the caller's ``timeout`` for ``collective_rpc``) fails the executor;
+* **give up**: a step still inside ``failure_grace`` seconds after a failure cannot finish;
+  the executor then gives it up (ends the engine process it owns, or, in a process it does not
+  own, fails the pending call; see :mod:`keepalive_executor.executor`).
+
+A rank that dies during a step makes that step's collectives impossible, so the grace only
+has to cover a step that had already passed its last collective when the rank died.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from keepalive_executor.log import get_logger
+
+__all__ = [
+    "ExecutorState",
+    "ExecutorFailedError",
+    "StepInProgress",
+    "Failure",
+    "Lifecycle",
+    "WatchAction",
+    "decide",
+    "StepWatch",
+]
+
+logger = get_logger(__name__)
+Clock = Callable[[], float]
+
+
+class ExecutorState(enum.Enum):
+    """Named states of the executor (see the module docstring)."""
+
+    RUNNING = "running"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class ExecutorFailedError(RuntimeError):
+    """The executor is failed or stopped; the message says why."""
+
+
+@dataclass(frozen=True)
+class StepInProgress:
+    """The step rank 0's thread is inside."""
+
+    name: str
+    since: float
+    deadline: float | None = None
+    timeout_s: float | None = None
+    timeout_source: str = ""
+    thread: int = 0
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why the executor failed, when, and the step rank 0 was inside at that moment."""
+
+    reason: str
+    at: float
+    stuck: StepInProgress | None
+
+
+class Lifecycle:
+    """The state, the failure and the current step, under one condition."""
+
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        self.clock = clock
+        self.cond = threading.Condition(threading.Lock())
+        self._state = ExecutorState.RUNNING
+        self._failure: Failure | None = None
+        self._step: StepInProgress | None = None
+
+    @property
+    def state(self) -> ExecutorState:
+        """The current state."""
+        return self._state
+
+    @property
+    def failure(self) -> Failure | None:
+        """The failure, once failed."""
+        return self._failure
+
+    @property
+    def step(self) -> StepInProgress | None:
+        """The step rank 0 is inside, if any."""
+        return self._step
+
+    @property
+    def is_failed(self) -> bool:
+        """True once failed (stays True after a later shutdown)."""
+        return self._failure is not None
+
+    def error(self) -> ExecutorFailedError | None:
+        """The error every call raises now, or None while running."""
+        if self._state is ExecutorState.RUNNING:
+            return None
+        if self._failure is not None:
+            return ExecutorFailedError(f"keepalive executor failed: {self._failure.reason}")
+        return ExecutorFailedError("keepalive executor is shut down")
+
+    def check_usable(self) -> None:
+        """Raise ExecutorFailedError unless running."""
+        err = self.error()
+        if err is not None:
+            raise err
+
+    def enter(
+        self, name: str, timeout_s: float | None = None, timeout_source: str = ""
+    ) -> StepInProgress:
+        """Rank 0 begins a step; refused (ExecutorFailedError) unless running."""
+        with self.cond:
+            self.check_usable()
+            if self._step is not None:
+                raise RuntimeError(
+                    f"keepalive executor: {name} began while rank 0 is inside {self._step.name}"
+                )
+            now = self.clock()
+            self._step = StepInProgress(
+                name, now, None if timeout_s is None else now + timeout_s, timeout_s,
+                timeout_source, threading.get_ident(),
+            )
+            self.cond.notify_all()
+            return self._step
+
+    def exit(self) -> None:
+        """Rank 0 left its step (returned or raised)."""
+        with self.cond:
+            self._step = None
+            self.cond.notify_all()
+
+    def fail(self, reason: str) -> Failure | None:
+        """Enter FAILED (once); return the failure, or None if not running any more.
+
+        ``Failure.stuck`` is the step rank 0 is inside, unless the failure is reported by
+        that step's own thread (it is on its way out of the step, not stuck in it)."""
+        with self.cond:
+            if self._state is not ExecutorState.RUNNING:
+                return None
+            self._state = ExecutorState.FAILED
+            step = self._step
+            if step is not None and step.thread == threading.get_ident():
+                step = None
+            self._failure = Failure(reason, self.clock(), step)
+            self.cond.notify_all()
+            return self._failure
+
+    def stop(self) -> ExecutorState:
+        """Enter STOPPED; return the state it left."""
+        with self.cond:
+            previous = self._state
+            self._state = ExecutorState.STOPPED
+            self.cond.notify_all()
+            return previous
+
+
+class WatchAction(enum.Enum):
+    """What the step watch does now."""
+
+    NONE = "none"
+    TIMEOUT = "timeout"
+    GIVE_UP = "give-up"
+
+
+def decide(
+    now: float,
+    state: ExecutorState,
+    step: StepInProgress | None,
+    failure: Failure | None,
+    grace_s: float,
+) -> tuple[WatchAction, float | None]:
+    """The watch's decision: an action, and when to look again (None: on a change only)."""
+    if step is None:
+        return WatchAction.NONE, None
+    if state is ExecutorState.RUNNING:
+        if step.deadline is None:
+            return WatchAction.NONE, None
+        if now >= step.deadline:
+            return WatchAction.TIMEOUT, None
+        return WatchAction.NONE, step.deadline
+    if state is ExecutorState.FAILED and failure is not None:
+        give_up_at = failure.at + grace_s
+        if now >= give_up_at:
+            return WatchAction.GIVE_UP, None
+        return WatchAction.NONE, give_up_at
+    return WatchAction.NONE, None  # stopped: nothing more to watch
+
+
+class StepWatch:
+    """Thread ``keepalive-step-watch``: applies :func:`decide` to a :class:`Lifecycle`.
+
+    ``on_timeout(step)`` is called (outside the lock) when a step passes its deadline;
+    ``on_give_up(failure, step)`` once, when a step outlives the failure grace. The thread
+    ends after a give-up or when the lifecycle is stopped; the executor owns it.
+    """
+
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        grace_s: float,
+        on_timeout: Callable[[StepInProgress], None],
+        on_give_up: Callable[[Failure, StepInProgress], None],
+    ) -> None:
+        self._life = lifecycle
+        self._grace_s = grace_s
+        self._on_timeout = on_timeout
+        self._on_give_up = on_give_up
+        self._thread = threading.Thread(target=self._run, name="keepalive-step-watch",
+                                        daemon=True)
+
+    def start(self) -> None:
+        """Start the thread (once)."""
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the thread to end (after the lifecycle is stopped)."""
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        life = self._life
+        timed_out: StepInProgress | None = None
+        while True:
+            with life.cond:
+                while True:
+                    if life.state is ExecutorState.STOPPED:
+                        return
+                    now = life.clock()
+                    action, wake = decide(now, life.state, life.step, life.failure,
+                                          self._grace_s)
+                    if action is WatchAction.TIMEOUT and life.step is timed_out:
+                        action = WatchAction.NONE  # already reported: wait for the failure
+                    if action is not WatchAction.NONE:
+                        break
+                    life.cond.wait(None if wake is None else max(0.0, wake - now))
+                step, failure = life.step, life.failure
+            assert step is not None
+            if action is WatchAction.TIMEOUT:
+                timed_out = step
+                self._on_timeout(step)
+                continue
+            assert failure is not None
+            self._on_give_up(failure, step)
+            return

@@ -1,0 +1,73 @@
+"""Where ranks 1..N-1 come from, behind one interface the executor uses in both modes.
+
+==========================  ======================================  ==========================
+                            :class:`~keepalive_executor.launcher.   :class:`~keepalive_executor.
+                            SpawnedRanks` (``vllm serve``, ``LLM``)  torchrun.ranks.TorchrunRanks`
+==========================  ======================================  ==========================
+start                       spawn one process per rank, wait for    post the configuration
+                            each to say ALIVE                       (signed) on torchrun's store
+join the process groups     ``file://`` store in the temp dir       torchrun's store, per attempt
+ready                       each process says READY                 the rendezvous itself
+watch for death             process sentinels (immediate)           store heartbeats (bounded by
+                                                                    the liveness timeout)
+tell a start-up error       nothing to tell (processes are killed)  post the error on the store
+stop                        SHUTDOWN, then wait/SIGTERM/SIGKILL;    SHUTDOWN; torchrun owns the
+                            after a failure: death pipes closed     processes
+                            first
+==========================  ======================================  ==========================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+__all__ = ["Ranks", "make_ranks"]
+
+OnDeath = Callable[[str], None]
+
+
+class Ranks(Protocol):
+    """The other ranks, as the executor sees them."""
+
+    #: what vLLM gets as ``distributed_init_method``
+    init_method: str
+    #: rank 0's local rank (its CPU binding / device)
+    local_rank: int
+    #: vLLM's ``shared_worker_lock`` for rank 0's worker
+    shared_worker_lock: Any
+
+    def start(self, vllm_config: Any, settings: Any) -> None:
+        """Bring the other ranks up to the point where they join the process groups
+        (``settings``: the validated KeepaliveSettings)."""
+
+    def before_init_device(self) -> None:
+        """Called on rank 0's thread just before it joins the process groups."""
+
+    def wait_ready(self) -> None:
+        """Block until every other rank has joined the groups and built its channel."""
+
+    def watch(self, on_death: OnDeath) -> None:
+        """Start death detection; ``on_death(reason)`` for the first rank lost."""
+
+    def tell_error(self, message: str) -> None:
+        """Rank 0 will not start: let the waiting ranks exit with ``message``."""
+
+    def kill(self) -> None:
+        """End every rank this process owns now (the engine process is about to end)."""
+
+    def stop(self, *, failed: bool) -> dict[int, int | None]:
+        """Stop watching and reap what this process owns; return the exit codes known."""
+
+
+def make_ranks(vllm_config: Any) -> Ranks:
+    """The spawned ranks, or torchrun's when this process tree runs under torchrun."""
+    from keepalive_executor import torchrun
+
+    if torchrun.in_torchrun_mode():
+        from keepalive_executor.torchrun.ranks import TorchrunRanks
+
+        return TorchrunRanks(vllm_config)
+    from keepalive_executor.launcher import SpawnedRanks
+
+    return SpawnedRanks(vllm_config)

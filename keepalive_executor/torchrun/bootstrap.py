@@ -1,0 +1,283 @@
+"""Rank 0's configuration for the other ranks, on torchrun's store, authenticated.
+
+Rank 0 posts one **bootstrap** per run and restart attempt under a key scoped by
+``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``: either the driver's
+``vllm_config`` with what every rank needs to build the same channel, or rank 0's start-up
+error. The first poster wins (an atomic ``add`` on a claim key).
+
+torchrun's store listens on every interface, and the bootstrap is a pickle: unauthenticated,
+whoever reaches the port first could run code on every rank. So every value rank 0 posts is
+signed and checked **before anything is unpickled**::
+
+    b"KAB2" | HMAC-SHA256(secret, store key || body) (32 bytes) | body (pickle)
+
+The store key is inside the MAC, so a value signed for one key (one attempt) cannot be
+replayed under another. A value without the prefix, or whose MAC does not match, is refused
+with a message naming the cause, and nothing of it is unpickled.
+
+The secret (:func:`load_secret`): ``VLLM_KEEPALIVE_SECRET`` (at least 16 bytes), or the file
+named by ``VLLM_KEEPALIVE_SECRET_FILE`` (not readable by group or others), the same on every
+node. Without either, a **one-node** run (torchrun's ``LOCAL_WORLD_SIZE == WORLD_SIZE``) uses a
+per-run secret that rank 0 creates in a directory only this user can enter
+(``$XDG_RUNTIME_DIR``, else ``/tmp/keepalive-executor-<uid>``, mode 0700, checked), named by
+run, attempt and torchrun agent (the local ranks' common parent); several nodes without a
+secret are refused on every rank, saying how to set one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import hmac
+import os
+import pickle
+import secrets
+import stat
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from keepalive_executor.log import get_logger
+from keepalive_executor.torchrun.env import TorchrunEnv, TorchrunError
+
+__all__ = [
+    "BOOTSTRAP_VERSION",
+    "ENV_SECRET",
+    "ENV_SECRET_FILE",
+    "load_secret",
+    "create_node_secret",
+    "sign",
+    "verify",
+    "connect_store",
+    "init_world_process_group",
+    "post_bootstrap",
+    "post_error",
+    "wait_bootstrap",
+]
+
+logger = get_logger(__name__)
+
+BOOTSTRAP_VERSION = 2
+ENV_SECRET = "VLLM_KEEPALIVE_SECRET"
+ENV_SECRET_FILE = "VLLM_KEEPALIVE_SECRET_FILE"
+MIN_SECRET_BYTES = 16
+_MAGIC = b"KAB2"
+_MAC_BYTES = 32
+_HOW_TO_SET = (
+    f"set {ENV_SECRET} to the same random value on every node, e.g. "
+    f"`export {ENV_SECRET}=$(python -c 'import secrets; print(secrets.token_hex(32))')`, "
+    f"or {ENV_SECRET_FILE} to a file holding it (mode 600)"
+)
+
+
+# ---------------------------------------------------------------------- the secret
+
+
+def _private_dir(environ: Mapping[str, str]) -> str:
+    base = environ.get("XDG_RUNTIME_DIR")
+    path = base if base else os.path.join("/tmp", f"keepalive-executor-{os.getuid()}")
+    if not base:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise TorchrunError(
+            f"{path} must be a directory owned by this user with mode 700 to hold the "
+            f"per-run secret of a one-node run; fix or remove it, or {_HOW_TO_SET}"
+        )
+    return path
+
+
+def node_secret_path(env: TorchrunEnv, environ: Mapping[str, str] | None = None,
+                     agent_pid: int | None = None) -> str:
+    """Where a one-node run keeps its per-run secret (the same path on every local rank)."""
+    environ = os.environ if environ is None else environ
+    agent = os.getppid() if agent_pid is None else agent_pid
+    name = f"secret-{env.run_id}-{env.restart_count}-{agent}".replace("/", "_")
+    return os.path.join(_private_dir(environ), name)
+
+
+def create_node_secret(env: TorchrunEnv, environ: Mapping[str, str] | None = None) -> str:
+    """Rank 0 of a one-node run: create the per-run secret file; return its path."""
+    path = node_secret_path(env, environ)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a stale file of a recycled pid: never reuse a secret
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def _read_secret_file(path: str, source: str) -> bytes:
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            value = f.read().strip()
+    except OSError as e:
+        raise TorchrunError(f"{source}={path!r} cannot be read: {e}") from None
+    if st.st_mode & 0o077:
+        raise TorchrunError(
+            f"{source}={path!r} is readable by group or others (mode "
+            f"{stat.S_IMODE(st.st_mode):o}): `chmod 600 {path}`"
+        )
+    return value
+
+
+def load_secret(env: TorchrunEnv, environ: Mapping[str, str] | None = None) -> tuple[bytes, str]:
+    """The secret this rank signs or checks with, and where it came from."""
+    environ = os.environ if environ is None else environ
+    if environ.get(ENV_SECRET):
+        value, source = environ[ENV_SECRET].encode(), ENV_SECRET
+    elif environ.get(ENV_SECRET_FILE):
+        value = _read_secret_file(environ[ENV_SECRET_FILE], ENV_SECRET_FILE)
+        source = f"{ENV_SECRET_FILE}={environ[ENV_SECRET_FILE]}"
+    elif env.one_node:
+        path = node_secret_path(env, environ)
+        return _read_secret_file(path, "the per-run secret file"), f"per-run secret {path}"
+    else:
+        raise TorchrunError(
+            f"torchrun mode across several nodes (WORLD_SIZE={env.world_size}, "
+            f"LOCAL_WORLD_SIZE={env.local_world_size}) needs a shared secret to authenticate "
+            f"rank 0's configuration on torchrun's store: {_HOW_TO_SET}"
+        )
+    if len(value) < MIN_SECRET_BYTES:
+        raise TorchrunError(
+            f"{source} is {len(value)} bytes; it must be at least {MIN_SECRET_BYTES}: "
+            f"{_HOW_TO_SET}"
+        )
+    return value, source
+
+
+def sign(secret: bytes, key: str, obj: Any) -> bytes:
+    """The signed value rank 0 posts under ``key``."""
+    body = pickle.dumps(obj, protocol=5)
+    mac = hmac.new(secret, key.encode() + body, hashlib.sha256).digest()
+    return _MAGIC + mac + body
+
+
+def verify(secret: bytes, key: str, raw: bytes) -> Any:
+    """Check ``raw`` (posted under ``key``) and only then unpickle it."""
+    raw = bytes(raw)
+    if not raw.startswith(_MAGIC) or len(raw) < len(_MAGIC) + _MAC_BYTES:
+        raise TorchrunError(
+            f"the bootstrap under {key!r} on torchrun's store is not signed: it was not "
+            "posted by rank 0 of a keepalive-executor of this version; refusing it unread "
+            "(is another program, or an older keepalive-executor, using this store?)"
+        )
+    mac = raw[len(_MAGIC) : len(_MAGIC) + _MAC_BYTES]
+    body = raw[len(_MAGIC) + _MAC_BYTES :]
+    expected = hmac.new(secret, key.encode() + body, hashlib.sha256).digest()
+    if not hmac.compare_digest(mac, expected):
+        raise TorchrunError(
+            f"the bootstrap under {key!r} on torchrun's store failed authentication "
+            "(HMAC mismatch): it was posted by something other than rank 0 of this "
+            f"deployment, or {ENV_SECRET} differs between nodes; refusing it unread"
+        )
+    return pickle.loads(body)
+
+
+# ---------------------------------------------------------------------- the store
+
+
+def connect_store(env: TorchrunEnv, timeout_s: float = 60.0) -> Any:
+    """A client of torchrun's agent store (the agent is up before any rank starts)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        env.master_addr,
+        env.master_port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def init_world_process_group(env: TorchrunEnv, vllm_config: Any, timeout_s: float) -> None:
+    """Join torch's default process group on torchrun's store, scoped to this attempt.
+
+    vLLM would join it itself from an ``init_method``, on the bare store; but torchrun's static
+    rendezvous keeps one store across restarts (``--max-restarts``), and a restarted world
+    would then read the previous attempt's addresses. With the group already up, vLLM's
+    ``init_distributed_environment`` builds its groups on top of it.
+    """
+    import torch.distributed as dist
+    from vllm.platforms import current_platform
+
+    if dist.is_initialized():
+        return
+    seconds = vllm_config.parallel_config.distributed_timeout_seconds
+    kwargs = {} if seconds is None else {"timeout": datetime.timedelta(seconds=seconds)}
+    store = dist.PrefixStore(env.key("world") + "/", connect_store(env, timeout_s))
+    dist.init_process_group(
+        backend=current_platform.dist_backend, store=store, rank=env.rank,
+        world_size=env.world_size, **kwargs,
+    )
+
+
+def post_bootstrap(store: Any, env: TorchrunEnv, payload: dict[str, Any], secret: bytes) -> bool:
+    """Publish the signed bootstrap once per attempt; False if something was there first."""
+    if store.add(env.key("bootstrap-claim"), 1) != 1:
+        return False
+    key = env.key("bootstrap")
+    store.set(key, sign(secret, key, {"version": BOOTSTRAP_VERSION, **payload}))
+    return True
+
+
+def post_error(store: Any, env: TorchrunEnv, message: str, secret: bytes,
+               wait_s: float = 0.0) -> bool:
+    """Tell every waiting rank that rank 0 will not start (first poster wins).
+
+    With ``wait_s``, wait that long for every other rank to say it has read the error:
+    torchrun stops the remaining ranks as soon as rank 0 exits, and each should have
+    printed why first.
+    """
+    posted = post_bootstrap(store, env, {"error": message}, secret)
+    if not posted:
+        key = env.key("bootstrap")
+        with contextlib.suppress(Exception):
+            store.wait([key], datetime.timedelta(seconds=5))
+        try:
+            boot = verify(secret, key, store.get(key))
+        except Exception:  # noqa: BLE001 - not ours: the followers refuse it themselves
+            return False
+        if "error" not in boot:
+            return False  # the configuration went out: the ranks learn of it otherwise
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if store.add(env.key("error-seen"), 0) >= env.world_size - 1:
+            break
+        time.sleep(0.1)
+    return posted
+
+
+def wait_bootstrap(store: Any, env: TorchrunEnv, timeout_s: float, secret: bytes
+                   ) -> dict[str, Any]:
+    """Poll (so that signals are handled, and without the warning torch logs for every
+    timed-out ``wait``) for rank 0's bootstrap; check it, then unpickle it."""
+    key = env.key("bootstrap")
+    deadline = time.monotonic() + timeout_s
+    next_note = time.monotonic() + 30
+    while True:
+        try:
+            if store.check([key]):
+                break
+        except Exception as e:  # noqa: BLE001 - the agent (and its store) went away
+            raise TorchrunError(f"torchrun's store at {env.address} failed: {e}") from e
+        time.sleep(0.1)
+        now = time.monotonic()
+        if now >= deadline:
+            raise TorchrunError(
+                f"rank {env.rank}: rank 0 published no configuration within {timeout_s:g}s "
+                "(VLLM_KEEPALIVE_STARTUP_TIMEOUT_S); see rank 0's log"
+            )
+        if now >= next_note:
+            logger.info("rank %d: still waiting for rank 0's engine to start", env.rank)
+            next_note = now + 30
+    boot = verify(secret, key, store.get(key))
+    if not isinstance(boot, dict) or boot.get("version") != BOOTSTRAP_VERSION:
+        version = boot.get("version") if isinstance(boot, dict) else type(boot).__name__
+        raise TorchrunError(
+            f"rank 0 sent bootstrap version {version}, this rank expects "
+            f"{BOOTSTRAP_VERSION}: every node must run the same keepalive-executor"
+        )
+    return boot

@@ -1,0 +1,285 @@
+"""``python -m keepalive_executor serve MODEL ...``: what each rank torchrun starts does.
+
+::
+
+    rank 0                                        ranks 1..N-1
+    ------                                        ------------
+    (one node, no secret set: create the
+     per-run secret file)
+    vLLM's API server (``vllm serve`` argv)       ignore argv; wait on the agent's store
+     `- EngineCore process
+          KeepaliveExecutor (driver, rank 0):
+            validate (WORLD_SIZE == TP) ------->  bootstrap key: an error, or the
+            post {vllm_config, channel spec,      driver's configuration; checked
+                  liveness timeout}, signed ----> (HMAC) before it is unpickled
+            join the process groups (on torchrun's store, scoped to this attempt)
+            broadcast steps and keepalives ---->  receive loop (worker_loop.run_worker)
+            watch heartbeats on the store <-----  heartbeat thread
+
+Exit codes (what torchrun aggregates; :mod:`keepalive_executor.exit_codes`):
+
+* rank 0: vLLM's own code, except that it is 1 when the executor failed (a rank died, a
+  collective broke), which the executor records in a status file this process reads on the
+  way out (vLLM's front end itself exits 0 after its engine died);
+* other ranks: 0 after the driver's SHUTDOWN, or after the driver went away once this rank
+  was asked to stop (SIGTERM/SIGINT, as torchrun does to every rank); 1 when the driver went
+  away unasked, a start-up error was reported or the bootstrap failed authentication; a rank
+  whose torchrun agent dies is killed (``PR_SET_PDEATHSIG``), since torchrun starts workers
+  in their own session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from keepalive_executor import exit_codes
+from keepalive_executor.config import KeepaliveConfigError, startup_timeout_s
+from keepalive_executor.log import get_logger
+from keepalive_executor.torchrun.bootstrap import (
+    ENV_SECRET,
+    ENV_SECRET_FILE,
+    connect_store,
+    create_node_secret,
+    init_world_process_group,
+    load_secret,
+    post_error,
+    wait_bootstrap,
+)
+from keepalive_executor.torchrun.env import (
+    LAUNCHER_ENV,
+    TorchrunEnv,
+    TorchrunError,
+    default_gloo_interface,
+    set_parent_death_signal,
+    with_keepalive_backend,
+)
+from keepalive_executor.torchrun.liveness import Heartbeat
+
+__all__ = ["STATUS_FILE_ENV", "record_failure", "main", "USAGE"]
+
+logger = get_logger(__name__)
+
+#: Set on rank 0: where the executor records a failure for the exit code.
+STATUS_FILE_ENV = "KEEPALIVE_EXECUTOR_STATUS_FILE"
+#: How long rank 0 waits, after a start-up error, for the other ranks to have read it.
+ERROR_ACK_WAIT_S = 20.0
+
+
+# ---------------------------------------------------------------------- status file
+
+
+def record_failure(reason: str) -> None:
+    """Executor side: note a failure so that rank 0's exit code says so (no-op elsewhere)."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if not path:
+        return
+    with contextlib.suppress(OSError), open(path, "a") as f:
+        f.write(reason.replace("\n", " ") + "\n")
+
+
+def _read_failures(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return [line.strip() for line in f if line.strip()]
+    except OSError:
+        return []
+
+
+def _remove(path: str | None) -> None:
+    if path:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+# ---------------------------------------------------------------------- rank 0
+
+
+def _lead(env: TorchrunEnv, argv: list[str]) -> int:
+    """Rank 0: run vLLM's ``serve`` in this process with the keepalive executor."""
+    set_parent_death_signal(signal.SIGTERM)
+    secret_file = None
+    if env.one_node and not os.environ.get(ENV_SECRET) and not os.environ.get(ENV_SECRET_FILE):
+        secret_file = create_node_secret(env)
+        os.environ[ENV_SECRET_FILE] = secret_file  # the engine process signs with it
+    secret, _ = load_secret(env)
+    store = connect_store(env)
+    fd, status_path = tempfile.mkstemp(prefix="keepalive-status-")
+    os.close(fd)
+    os.environ[LAUNCHER_ENV] = "torchrun"
+    os.environ[STATUS_FILE_ENV] = status_path
+    code: int = exit_codes.FAILED
+    try:
+        try:
+            code = _run_vllm_cli(["serve", *with_keepalive_backend(argv)])
+        except BaseException as e:
+            post_error(store, env, f"rank 0 failed to start: {type(e).__name__}: {e}", secret,
+                       wait_s=ERROR_ACK_WAIT_S)
+            raise
+        if not store.check([env.key("bootstrap")]):
+            post_error(store, env, f"rank 0 exited with code {code} before its engine started",
+                       secret, wait_s=ERROR_ACK_WAIT_S)
+        failures = _read_failures(status_path)
+        if failures:
+            logger.error("keepalive executor failed (%s); rank 0 exits 1", "; ".join(failures))
+            code = code or exit_codes.FAILED
+        return code
+    finally:
+        _remove(status_path)
+        _remove(secret_file)
+
+
+def _run_vllm_cli(args: list[str]) -> int:
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", *args]
+    try:
+        vllm_main()
+    except SystemExit as e:
+        if e.code is None:
+            return exit_codes.OK
+        return e.code if isinstance(e.code, int) else exit_codes.FAILED
+    return exit_codes.OK
+
+
+# ---------------------------------------------------------------------- ranks 1..N-1
+
+
+def _follow(env: TorchrunEnv) -> int:
+    """Ranks 1..N-1: take the driver's configuration and follow its broadcasts."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging_if_needed
+
+    from keepalive_executor.worker_loop import bind_threads, name_process, run_worker
+
+    # vLLM's default logging until the driver's own logging configuration arrives.
+    configure_logging_if_needed(LoggingConfig())
+    set_parent_death_signal(signal.SIGKILL)
+    name_process(env.rank)
+
+    stop_requested = threading.Event()
+    following = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if not stop_requested.is_set():
+            logger.info(
+                "rank %d: %s; %s", env.rank, signal.Signals(signum).name,
+                "following the driver until it shuts down" if following.is_set()
+                else "stopping",
+            )
+        stop_requested.set()
+        if not following.is_set():
+            raise SystemExit(exit_codes.OK)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        timeout_s = startup_timeout_s()
+        store = connect_store(env)
+        boot = _read_bootstrap(store, env, timeout_s)
+    except (TorchrunError, KeepaliveConfigError) as e:
+        logger.error("rank %d not starting: %s", env.rank, e)
+        return exit_codes.FAILED
+    except SystemExit as e:
+        return int(e.code or 0)
+    if boot.get("error"):
+        with contextlib.suppress(Exception):
+            store.add(env.key("error-seen"), 1)
+        logger.error("rank %d not starting: rank 0 reported: %s", env.rank, boot["error"])
+        return exit_codes.FAILED
+    vllm_config = boot["vllm_config"]
+    if vllm_config.parallel_config.world_size != env.world_size:
+        logger.error(
+            "rank %d not starting: the driver's world size is %d, torchrun's is %d",
+            env.rank, vllm_config.parallel_config.world_size, env.world_size,
+        )
+        return exit_codes.FAILED
+    logger.info(
+        "rank %d of %d (local rank %d) follows the driver (torchrun's store at %s)",
+        env.rank, env.world_size, env.local_rank, env.address,
+    )
+    heartbeat = Heartbeat(connect_store(env), env.key, env.rank, boot["liveness_timeout_s"])
+    heartbeat.start()
+    bind_threads(vllm_config, env.local_rank)
+    following.set()
+    try:
+        try:
+            init_world_process_group(env, vllm_config, timeout_s)
+        except Exception:  # noqa: BLE001 - logged; torchrun sees the exit code
+            logger.exception("rank %d could not join the process group", env.rank)
+            return exit_codes.FAILED
+        from vllm.utils.system_utils import get_mp_context
+
+        return run_worker(
+            vllm_config=vllm_config,
+            rank=env.rank,
+            local_rank=env.local_rank,
+            distributed_init_method=boot["init_method"],
+            spec=boot["spec"],
+            shared_worker_lock=get_mp_context().Lock(),
+            on_ready=lambda: None,
+            stop_requested=stop_requested,
+        )
+    finally:
+        heartbeat.stop()
+
+
+def _read_bootstrap(store: Any, env: TorchrunEnv, timeout_s: float) -> dict[str, Any]:
+    secret, _ = _wait_for_secret(env, timeout_s)
+    return wait_bootstrap(store, env, timeout_s, secret)
+
+
+def _wait_for_secret(env: TorchrunEnv, timeout_s: float) -> tuple[bytes, str]:
+    """A one-node follower may start before rank 0 created the per-run secret file."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return load_secret(env)
+        except TorchrunError:
+            if not env.one_node or time.monotonic() >= deadline or os.environ.get(ENV_SECRET) \
+                    or os.environ.get(ENV_SECRET_FILE):
+                raise
+        time.sleep(0.1)
+
+
+USAGE = """\
+usage: torchrun [torchrun options] -m keepalive_executor serve MODEL [vllm serve options]
+
+Serve MODEL with vLLM, tensor-parallel over the ranks torchrun starts. Rank 0 runs vLLM's
+API server and the engine (the keepalive executor's driver); every other rank follows the
+driver. vllm serve options are read on rank 0 only; -tp must equal torchrun's world size.
+Across several nodes, set VLLM_KEEPALIVE_SECRET to the same value on every node.
+See docs/torchrun.md.
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m keepalive_executor``: the torchrun entry point."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return exit_codes.OK if args else exit_codes.USAGE
+    if args[0] != "serve":
+        print(f"unknown command {args[0]!r}\n\n{USAGE}", end="", file=sys.stderr)
+        return exit_codes.USAGE
+    try:
+        env = TorchrunEnv.from_environ()
+    except TorchrunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exit_codes.USAGE
+    default_gloo_interface(env)
+    if env.rank != 0:
+        return _follow(env)
+    try:
+        return _lead(env, args[1:])
+    except TorchrunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return exit_codes.USAGE

@@ -1,0 +1,181 @@
+"""What torchrun tells each rank, and the node-local set-up each rank does for itself."""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from keepalive_executor.log import get_logger
+
+__all__ = [
+    "LAUNCHER_ENV",
+    "TorchrunEnv",
+    "TorchrunError",
+    "in_torchrun_mode",
+    "check_world_size",
+    "with_keepalive_backend",
+    "default_gloo_interface",
+    "set_parent_death_signal",
+]
+
+logger = get_logger(__name__)
+
+#: Set by the CLI on rank 0: the executor in this process tree is in torchrun mode.
+LAUNCHER_ENV = "KEEPALIVE_EXECUTOR_LAUNCHER"
+_REQUIRED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_BACKEND_FLAGS = ("--distributed-executor-backend", "--distributed_executor_backend")
+
+
+class TorchrunError(RuntimeError):
+    """torchrun mode cannot start: the message names what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """What torchrun tells each rank through the environment."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    run_id: str = "none"
+    restart_count: int = 0
+    local_world_size: int | None = None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> TorchrunEnv:
+        """Read and check torchrun's variables; raise :class:`TorchrunError` if unusable."""
+        env = os.environ if environ is None else environ
+        missing = [k for k in _REQUIRED if not env.get(k)]
+        if missing:
+            raise TorchrunError(
+                f"python -m keepalive_executor serve must run under torchrun; "
+                f"{', '.join(missing)} not set. Start it as: torchrun --nproc-per-node N "
+                "-m keepalive_executor serve MODEL -tp N [vllm serve options] "
+                "(or use `vllm serve ... --distributed-executor-backend keepalive`, which "
+                "starts the ranks itself)"
+            )
+        try:
+            local_world = env.get("LOCAL_WORLD_SIZE")
+            parsed = cls(
+                rank=int(env["RANK"]),
+                local_rank=int(env["LOCAL_RANK"]),
+                world_size=int(env["WORLD_SIZE"]),
+                master_addr=env["MASTER_ADDR"],
+                master_port=int(env["MASTER_PORT"]),
+                run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
+                restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                local_world_size=int(local_world) if local_world else None,
+            )
+        except ValueError as e:
+            raise TorchrunError(f"torchrun's environment is malformed: {e}") from None
+        if not 0 <= parsed.rank < parsed.world_size:
+            raise TorchrunError(f"RANK={parsed.rank} is outside WORLD_SIZE={parsed.world_size}")
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            raise TorchrunError(
+                "keepalive's torchrun mode receives its configuration over torchrun's agent "
+                "store, but TORCHELASTIC_USE_AGENT_STORE is not True (was the process "
+                "started by something other than torchrun, or with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1?). Launch with torchrun and leave "
+                "the store shared."
+            )
+        return parsed
+
+    @property
+    def one_node(self) -> bool:
+        """Every rank runs on this node (torchrun's LOCAL_WORLD_SIZE equals WORLD_SIZE)."""
+        return self.local_world_size == self.world_size
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of torchrun's store."""
+        host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
+        return f"{host}:{self.master_port}"
+
+    def group_label(self) -> str:
+        """What vLLM gets as ``distributed_init_method`` (the group is already up, see
+        :func:`~keepalive_executor.torchrun.bootstrap.init_world_process_group`, so vLLM only
+        logs it). Its text after the last ``:`` names vLLM's CPU shared-memory segments, so
+        it is unique per attempt: a restarted world must not meet the segments its killed
+        predecessor left behind."""
+        token = f"ka{self.restart_count}-{uuid.uuid4().hex[:12]}"
+        return f"torchrun://{self.address}:{token}"
+
+    def key(self, name: str) -> str:
+        """A store key private to this run and restart attempt."""
+        return f"keepalive_executor/{self.run_id}/{self.restart_count}/{name}"
+
+
+def in_torchrun_mode(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process tree was started by ``python -m keepalive_executor serve``."""
+    env = os.environ if environ is None else environ
+    return env.get(LAUNCHER_ENV) == "torchrun"
+
+
+def check_world_size(parallel_config: Any, environ: Mapping[str, str] | None = None) -> None:
+    """In torchrun mode, torchrun's WORLD_SIZE must be exactly the ranks vLLM asks for."""
+    from keepalive_executor.config import KeepaliveConfigError
+
+    env = TorchrunEnv.from_environ(environ)
+    need = parallel_config.world_size
+    if env.world_size != need:
+        raise KeepaliveConfigError(
+            f"torchrun started WORLD_SIZE={env.world_size} ranks but vLLM's configuration "
+            f"needs {need} (--tensor-parallel-size={parallel_config.tensor_parallel_size}); "
+            f"pass -tp {env.world_size}, or give torchrun --nnodes x --nproc-per-node = "
+            f"{need}"
+        )
+
+
+def with_keepalive_backend(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``--distributed-executor-backend keepalive``; reject any other backend."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        for flag in _BACKEND_FLAGS:
+            value = None
+            if arg == flag:
+                value = out[i + 1] if i + 1 < len(out) else ""
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+            if value is None:
+                continue
+            if value != "keepalive":
+                raise TorchrunError(
+                    f"{flag} {value!r}: under torchrun the executor is keepalive (the ranks "
+                    "are torchrun's processes); drop the flag or set it to keepalive"
+                )
+            return out
+    return [*out, "--distributed-executor-backend", "keepalive"]
+
+
+def default_gloo_interface(env: TorchrunEnv) -> None:
+    """Keep gloo on loopback when the rendezvous is on loopback (one machine)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    try:
+        addr = ipaddress.ip_address(socket.gethostbyname(env.master_addr))
+    except (OSError, ValueError):
+        return
+    if addr.is_loopback:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Receive ``sig`` when the parent (torchrun's agent) dies; Linux only."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    if libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0) != 0:
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() != parent:  # the agent died before the prctl took effect
+        os.kill(os.getpid(), sig)
