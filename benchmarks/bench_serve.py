@@ -99,6 +99,12 @@ class Config:
     name: str  # used in file names: keepalive-tp2, mp-tp2, tp1
     backend: str  # label in the table: keepalive, mp, none
     tp: int
+    pp: int = 1
+    extra_args: tuple[str, ...] = ()  # more vllm serve flags
+
+    @property
+    def layout(self) -> str:
+        return f"TP={self.tp}" + (f" PP={self.pp}" if self.pp > 1 else "")
 
 
 KEEPALIVE = Config("keepalive-tp2", "keepalive", 2)
@@ -106,6 +112,22 @@ KEEPALIVE = Config("keepalive-tp2", "keepalive", 2)
 TORCHRUN = Config("torchrun-tp2", "torchrun", 2)
 MP = Config("mp-tp2", "mp", 2)
 TP1 = Config("tp1", "none", 1)
+CONFIGS = {c.name: c for c in (KEEPALIVE, TORCHRUN, MP, TP1)}
+# With --pp 2 the three two-rank configurations become one TP rank per stage. vLLM 0.32's CPU
+# backend fails PP in eager mode under mp (its intermediate-tensor buffer is only allocated
+# by a warm-up run that eager mode skips), so PP servers run compilation mode 2 with the eager
+# backend: the same kernels, plus that warm-up (docs/benchmarks.md).
+PP_ARGS = ("--no-enforce-eager", "--compilation-config", '{"mode": 2, "backend": "eager"}')
+
+
+def use_pp(pp: int) -> None:
+    """Turn the two-rank configurations into TP=2/pp x PP=pp."""
+    global KEEPALIVE, TORCHRUN, MP
+    tp = 2 // pp
+    KEEPALIVE = Config(f"keepalive-pp{pp}", "keepalive", tp, pp, PP_ARGS)
+    TORCHRUN = Config(f"torchrun-pp{pp}", "torchrun", tp, pp, PP_ARGS)
+    MP = Config(f"mp-pp{pp}", "mp", tp, pp, PP_ARGS)
+    CONFIGS.update({c.name: c for c in (KEEPALIVE, TORCHRUN, MP)})
 
 
 @dataclass
@@ -130,6 +152,8 @@ class RunResult:
     processes: int | None = None
     rss_gb: float | None = None
     idle_ttft: dict[str, Any] | None = None
+    cpu_ms_per_token: float | None = None  # CPU time of the server tree during the run
+    structured: dict[str, Any] | None = None  # the structured-output run, if asked for
     exit_code: int | None = None
     leftover_processes: list[str] = field(default_factory=list)
     log_errors: list[str] = field(default_factory=list)  # before the stop signal
@@ -160,9 +184,11 @@ def start_server(cfg: Config, model: str, log_path: Path) -> Server:
     """``vllm serve`` (or torchrun's agent for the torchrun mode, the root of its tree: its
     ranks, in their own sessions, are its children) in its own session."""
     if cfg.backend == "torchrun":
-        return TorchrunServer(model, log_path.parent, nnodes=1, nproc=cfg.tp, tp=cfg.tp,
-                              log_prefix=log_path.stem)
-    return Server(model, log_path, tp=cfg.tp, backend=cfg.backend)
+        return TorchrunServer(model, log_path.parent, nnodes=1, nproc=cfg.tp * cfg.pp,
+                              tp=cfg.tp, pp=cfg.pp, log_prefix=log_path.stem,
+                              extra_args=list(cfg.extra_args))
+    return Server(model, log_path, tp=cfg.tp, pp=cfg.pp, backend=cfg.backend,
+                  extra_args=list(cfg.extra_args))
 
 
 def stop_server(srv: Server) -> tuple[int | None, list[str]]:
@@ -214,6 +240,73 @@ def run_bench(srv: Server, model: str, tok_dir: str, name: str, num_prompts: int
         raise RuntimeError(f"vllm bench serve ({name}) saved no result at {path}")
     data: dict[str, Any] = json.loads(path.read_text())
     return data
+
+
+def run_structured(srv: Server, args: argparse.Namespace) -> dict[str, Any]:
+    """Our own streaming client: ``--num-prompts`` completions at ``--max-concurrency``, every
+    other one constrained by a JSON schema (vLLM's structured outputs: the engine takes the
+    two-broadcast step path for those batches). Output tok/s from the usage the server
+    reports, TTFT and TPOT per request from the stream's timing."""
+    import asyncio
+
+    import openai
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+
+    async def main() -> dict[str, Any]:
+        client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x",
+                                    max_retries=0, timeout=300)
+        sem = asyncio.Semaphore(args.max_concurrency)
+        rows: list[tuple[bool, float, float, int, bool]] = []
+
+        async def one(i: int) -> None:
+            structured = i % 2 == 0
+            extra = ({"structured_outputs": {"json": schema}} if structured
+                     else {"ignore_eos": True})
+            async with sem:
+                t0 = time.perf_counter()
+                first = None
+                text, tokens = [], 0
+                stream = await client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=args.output_len, temperature=0,
+                    stream=True, stream_options={"include_usage": True}, extra_body=extra)
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text and first is None:
+                        first = time.perf_counter()
+                    if chunk.choices:
+                        text.append(chunk.choices[0].text)
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                end = time.perf_counter()
+                valid = True
+                if structured:
+                    try:
+                        json.loads("".join(text))
+                    except ValueError:
+                        valid = False  # cut by max_tokens: counted, and reported
+                rows.append((structured, (first or end) - t0,
+                             (end - (first or end)) / max(tokens - 1, 1), tokens, valid))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(args.num_prompts)))
+        wall = time.perf_counter() - t0
+        await client.close()
+        so = [r for r in rows if r[0]]
+        return {
+            "requests": len(rows),
+            "structured_requests": len(so),
+            "structured_valid_json": sum(1 for r in so if r[4]),
+            "output_tok_s": sum(r[3] for r in rows) / wall,
+            "median_ttft_ms": statistics.median(r[1] for r in rows) * 1e3,
+            "median_tpot_ms": statistics.median(r[2] for r in rows) * 1e3,
+            "median_tpot_structured_ms": statistics.median(r[2] for r in so) * 1e3,
+            "wall_s": wall,
+        }
+
+    return asyncio.run(main())
 
 
 def cpu_seconds(procs: list[psutil.Process]) -> dict[tuple[int, float], float]:
@@ -338,8 +431,16 @@ def run_config(cfg: Config, rnd: int, model: str, args: argparse.Namespace, resu
         run_bench(srv, model, model, f"{cfg.name}-{rnd}-warmup", args.warmup_prompts, args,
                   bench_log, result_dir)
         progress(f"[{cfg.name} round {rnd}] benchmark ({args.num_prompts} prompts)")
+        cpu_before = cpu_seconds(srv.tree())
         data = run_bench(srv, model, model, f"{cfg.name}-{rnd}", args.num_prompts, args,
                          bench_log, result_dir)
+        cpu_after = cpu_seconds(srv.tree())
+        used = sum(t - cpu_before.get(k, 0.0) for k, t in cpu_after.items())
+        tokens = int(data.get("total_output_tokens") or 0)
+        res.cpu_ms_per_token = 1000.0 * used / tokens if tokens else None
+        if args.structured:
+            progress(f"[{cfg.name} round {rnd}] structured-output run")
+            res.structured = run_structured(srv, args)
         idle_since = time.monotonic()
         res.bench_json = data
         res.output_tok_s = float(data["output_throughput"])
@@ -468,17 +569,35 @@ def report(results: list[RunResult], meta: dict[str, Any], args: argparse.Namesp
     print(f"order: {' -> '.join(f'{r.config}#{r.round}' for r in results)}\n")
 
     print("## Per run\n")
-    print("| backend | TP | round | output tok/s | median TTFT ms | median TPOT ms | "
-          "idle CPU % of a core (tree) | processes | RSS GB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| backend | layout | round | output tok/s | median TTFT ms | median TPOT ms | "
+          "CPU ms per output token (tree) | idle CPU % of a core (tree) | processes | RSS GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        layout = CONFIGS[r.config].layout if r.config in CONFIGS else f"TP={r.tp}"
         if r.ok:
-            print(f"| {r.backend} | {r.tp} | {r.round} | {fmt(r.output_tok_s)} | "
+            print(f"| {r.backend} | {layout} | {r.round} | {fmt(r.output_tok_s)} | "
                   f"{fmt(r.median_ttft_ms)} | {fmt(r.median_tpot_ms, 2)} | "
+                  f"{fmt(r.cpu_ms_per_token, 3)} | "
                   f"{fmt(r.idle_cpu_pct)} | {fmt(r.processes)} | {fmt(r.rss_gb, 2)} |")
         else:
             err = (r.error or "failed").replace("|", "/")
-            print(f"| {r.backend} | {r.tp} | {r.round} | FAILED: {err} | - | - | - | - | - |")
+            print(f"| {r.backend} | {layout} | {r.round} | FAILED: {err} | - | - | - | - | - "
+                  "| - |")
+    if any(r.structured for r in results):
+        print("\nStructured-output run (every other request constrained by a JSON schema; our "
+              "own streaming client, same prompts for every server):\n")
+        print("| backend | layout | round | output tok/s | median TTFT ms | median TPOT ms | "
+              "median TPOT ms, structured | valid JSON |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in results:
+            if not r.structured:
+                continue
+            st = r.structured
+            layout = CONFIGS[r.config].layout if r.config in CONFIGS else f"TP={r.tp}"
+            print(f"| {r.backend} | {layout} | {r.round} | {fmt(st['output_tok_s'])} | "
+                  f"{fmt(st['median_ttft_ms'])} | {fmt(st['median_tpot_ms'], 2)} | "
+                  f"{fmt(st['median_tpot_structured_ms'], 2)} | "
+                  f"{st['structured_valid_json']}/{st['structured_requests']} |")
     print()
     print("Tails of the same runs (from the saved vllm bench JSON; TPOT excludes the first "
           "token; with async scheduling several tokens can arrive in one chunk, which pulls "
@@ -528,6 +647,11 @@ def report(results: list[RunResult], meta: dict[str, Any], args: argparse.Namesp
             "idle_cpu_pct": mean([r.idle_cpu_pct for r in rs]),
             "processes": mean([r.processes for r in rs]),
             "rss_gb": mean([r.rss_gb for r in rs]),
+            "cpu_ms_per_token": mean([r.cpu_ms_per_token for r in rs]),
+            "structured_output_tok_s": mean([(r.structured or {}).get("output_tok_s")
+                                             for r in rs]),
+            "structured_median_tpot_ms": mean([(r.structured or {}).get("median_tpot_ms")
+                                               for r in rs]),
         }
         summary[cfg.name] = s
         print(f"| {cfg.backend} | {cfg.tp} | {len(rs)}/{n_all} | {fmt(s['output_tok_s'])} | "
@@ -541,7 +665,13 @@ def report(results: list[RunResult], meta: dict[str, Any], args: argparse.Namesp
           f"median TPOT {ratio(ka['median_tpot_ms'], mp_['median_tpot_ms'])}, "
           f"mean TPOT {ratio(ka['mean_tpot_ms'], mp_['mean_tpot_ms'])}, "
           f"median TTFT {ratio(ka['median_ttft_ms'], mp_['median_ttft_ms'])}, "
+          f"CPU per output token {ratio(ka['cpu_ms_per_token'], mp_['cpu_ms_per_token'])}, "
           f"idle CPU {ratio(ka['idle_cpu_pct'], mp_['idle_cpu_pct'])}")
+    if args.structured:
+        print("Structured-output run, keepalive/mp (of the means): throughput "
+              f"{ratio(ka['structured_output_tok_s'], mp_['structured_output_tok_s'])}, "
+              "median TPOT "
+              f"{ratio(ka['structured_median_tpot_ms'], mp_['structured_median_tpot_ms'])}")
     paired = paired_ratios(results, KEEPALIVE, MP, args.rounds)
     if paired:
         print("Per round keepalive/mp (runs of a round are adjacent in time): " + "; ".join(
@@ -625,11 +755,12 @@ def plot(summary: dict[str, Any], results: list[RunResult], path: Path,
     tpot: list[float] = []
     colors: list[str] = []
     dots: list[tuple[list[float], list[float]]] = []
-    palette = {"keepalive-tp2": "tab:green", "torchrun-tp2": "tab:olive", "mp-tp2": "tab:blue",
+    palette = {KEEPALIVE.name: "tab:green", TORCHRUN.name: "tab:olive", MP.name: "tab:blue",
                "tp1": "tab:gray"}
-    names = {"keepalive-tp2": "keepalive\nTP=2", "torchrun-tp2": "keepalive\ntorchrun TP=2",
-             "mp-tp2": "mp\nTP=2", "tp1": "TP=1\n(floor)"}
-    for key in ("keepalive-tp2", "torchrun-tp2", "mp-tp2", "tp1"):
+    names = {KEEPALIVE.name: f"keepalive\n{KEEPALIVE.layout}",
+             TORCHRUN.name: f"keepalive\ntorchrun {TORCHRUN.layout}",
+             MP.name: f"mp\n{MP.layout}", "tp1": "TP=1\n(floor)"}
+    for key in (KEEPALIVE.name, TORCHRUN.name, MP.name, "tp1"):
         if not summary.get(key, {}).get("runs"):
             continue  # not in this run (--no-tp1, no --with-torchrun)
         s = summary.get(key, {})
@@ -675,6 +806,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-tp1", action="store_true", help="skip the TP=1 floor")
     p.add_argument("--with-torchrun", action="store_true",
                    help="also the torchrun mode (torchrun -m keepalive_executor serve) each round")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages of keepalive/mp/torchrun (TP becomes 2/PP)")
+    p.add_argument("--structured", action="store_true",
+                   help="after the main run, a structured-output run (half the requests with "
+                        "a JSON schema) against each server")
     p.add_argument("--idle-seconds", type=float, default=20.0, help="idle CPU window")
     p.add_argument("--idle-settle-seconds", type=float, default=2.0,
                    help="pause between the benchmark's end and the idle window")
@@ -706,6 +842,8 @@ def tiny_model() -> str:
 
 def main() -> int:
     args = parse_args()
+    if args.pp > 1:
+        use_pp(args.pp)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     model = args.model or tiny_model()
     meta: dict[str, Any] = {

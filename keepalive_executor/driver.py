@@ -135,10 +135,12 @@ class DriverRank:
 
     def _create(self, vllm_config: Any, local_rank: int, init_method: str, lock: Any,
                 before_init_device: Callable[[], None]) -> None:
+        from vllm.v1.executor.vllm_net_devices import set_worker_net_device
         from vllm.v1.worker.worker_base import WorkerWrapperBase
 
         from keepalive_executor.worker_loop import bind_threads
 
+        set_worker_net_device(local_rank, vllm_config)  # NIC selection, as mp's workers do
         wrapper = WorkerWrapperBase(rpc_rank=0, global_rank=0)
         all_kwargs: list[dict] = [{} for _ in range(vllm_config.parallel_config.world_size)]
         all_kwargs[0] = dict(

@@ -47,6 +47,7 @@ from keepalive_executor.config import (
     check_parallel_layout,
     settings_from_vllm_config,
 )
+from keepalive_executor.connectors import merge as merge_connector_outputs
 from keepalive_executor.driver import DriverRank
 from keepalive_executor.lifecycle import (
     ExecutorFailedError,
@@ -69,6 +70,9 @@ logger = get_logger(__name__)
 #: Test-only: start without the pacer so tests can show that idle receivers then die.
 #: Deliberately not a documented option; it logs a warning whenever it is honoured.
 _TEST_DISABLE_PACER_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER"
+#: Test-only: pass on rank 0's KV connector output alone (what the executor did before), so a
+#: test can show what merging every rank's output changes. Not an option.
+_TEST_NO_CONNECTOR_MERGE_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_CONNECTOR_MERGE"
 #: How long shutdown waits for the channel (a step finishing, the SHUTDOWN broadcast).
 SHUTDOWN_SEND_S = 5.0
 
@@ -111,6 +115,7 @@ class KeepaliveExecutor(Executor):
         check_parallel_layout(vllm_config.parallel_config)
         if torchrun.in_torchrun_mode():
             torchrun.check_world_size(vllm_config.parallel_config)
+            torchrun.check_features(vllm_config)
         return settings_from_vllm_config(vllm_config)
 
     def _init_executor(self) -> None:
@@ -170,6 +175,7 @@ class KeepaliveExecutor(Executor):
         self._steps = StepRunner(
             channel=channel, pacer=self._pacer, driver=driver, lifecycle=self._life,
             gather=gather, fail=self._fail, execute_timeout_s=settings.execute_timeout_s,
+            merge=self._merge_connector_outputs,
         )
         self._watch = StepWatch(self._life, settings.failure_grace_s, self._on_step_timeout,
                                 self._give_up)
@@ -261,9 +267,23 @@ class KeepaliveExecutor(Executor):
                        unique_reply_rank=unique_reply_rank)
         return _as_future(call) if non_block else call()
 
-    def _model_step(self, method: str, *args: Any) -> Any:
+    def _step_replies(self) -> Replies:
+        """STEP while a KV/EC connector's per-rank outputs must be merged (connectors.py)."""
+        if os.environ.get(_TEST_NO_CONNECTOR_MERGE_ENV) == "1":
+            return Replies.DRIVER
+        if (getattr(self, "kv_output_aggregator", None) is not None
+                or getattr(self, "ec_output_aggregator", None) is not None):
+            return Replies.STEP
+        return Replies.DRIVER
+
+    def _merge_connector_outputs(self, output: Any, replies: list[Any]) -> Any:
+        return merge_connector_outputs(output, replies, self.kv_output_aggregator,
+                                       self.ec_output_aggregator)
+
+    def _model_step(self, method: str, *args: Any, replies: Replies | None = None) -> Any:
         assert self._steps is not None, "keepalive executor is not started"
-        return self._steps.call(RpcRequest(method, args, {}, Replies.DRIVER), model_step=True)
+        replies = self._step_replies() if replies is None else replies
+        return self._steps.call(RpcRequest(method, args, {}, replies), model_step=True)
 
     def execute_model(  # type: ignore[override]
         self, scheduler_output: Any, non_block: bool = False
@@ -274,7 +294,7 @@ class KeepaliveExecutor(Executor):
         if getattr(scheduler_output, "has_structured_output_requests", True):
             call = partial(self._model_step, "execute_model", scheduler_output)
         else:
-            call = partial(self._steps.execute_fused, scheduler_output)
+            call = partial(self._steps.execute_fused, scheduler_output, self._step_replies())
         return _as_future(call) if non_block else call()
 
     def sample_tokens(  # type: ignore[override]
@@ -290,11 +310,11 @@ class KeepaliveExecutor(Executor):
 
     def execute_dummy_batch(self) -> None:
         """A dummy step on every rank."""
-        self._model_step("execute_dummy_batch")
+        self._model_step("execute_dummy_batch", replies=Replies.DRIVER)
 
     def take_draft_token_ids(self) -> Any:
         """Rank 0's draft tokens (every rank takes its own)."""
-        return self._model_step("take_draft_token_ids")
+        return self._model_step("take_draft_token_ids", replies=Replies.DRIVER)
 
     def check_health(self) -> None:
         """Raise if failed, if a worker process is gone, or if a round trip takes > 10 s."""

@@ -81,7 +81,14 @@ def _omp_env(vllm_config: Any, rank: int) -> Iterator[None]:
         yield
 
 
-def spawn_worker(vllm_config: Any, rank: int, worker_kwargs: dict[str, Any]) -> WorkerHandle:
+def device_index(vllm_config: Any) -> int:
+    """The index in ``device_config.device`` (``cuda:2`` -> 2), else 0."""
+    parts = str(vllm_config.device_config.device).split(":")
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+def spawn_worker(vllm_config: Any, rank: int, worker_kwargs: dict[str, Any],
+                 local_rank: int | None = None) -> WorkerHandle:
     """Start the worker process for ``rank`` (spawn context, daemonic)."""
     from vllm.utils.system_utils import get_mp_context
 
@@ -95,7 +102,7 @@ def spawn_worker(vllm_config: Any, rank: int, worker_kwargs: dict[str, Any]) -> 
         kwargs=dict(
             vllm_config=vllm_config,
             rank=rank,
-            local_rank=rank,
+            local_rank=rank if local_rank is None else local_rank,
             ready_pipe=ready_writer,
             death_pipe=death_reader,
             **worker_kwargs,
@@ -236,7 +243,9 @@ class SpawnedRanks:
         # Keep gloo's sockets on loopback: there is only one node in this mode.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.init_method: str = get_file_store_init_method()
-        self.local_rank = 0
+        # as UniProcExecutor does: a device index in --device (cuda:2) is rank 0's local
+        # rank; the other ranks follow it (GPU-only; on CPU there is no index)
+        self.local_rank = device_index(vllm_config)
         self.shared_worker_lock = get_mp_context().Lock()
         self.workers: list[WorkerHandle] = []
         self._timeout_s = 0.0
@@ -254,7 +263,8 @@ class SpawnedRanks:
             shared_worker_lock=self.shared_worker_lock,
         )
         for rank in range(1, self._world_size):
-            self.workers.append(spawn_worker(vllm_config, rank, common))
+            self.workers.append(spawn_worker(vllm_config, rank, common,
+                                             local_rank=self.local_rank + rank))
         wait_for_ready(self.workers, self._timeout_s, status="ALIVE")
 
     def before_init_device(self) -> None:

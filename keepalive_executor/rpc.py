@@ -3,7 +3,8 @@
 A call is one :class:`RpcRequest`, encoded as an **envelope** and broadcast on the channel::
 
     offset  size  field
-    0       1     replies      Replies: 0 driver only, 1 every rank
+    0       1     replies      Replies: 0 driver only, 1 every rank, 2 a model step whose
+                               connector outputs every rank reports
     1       2     name_len     length of the call's name (utf-8)
     3       ...   name         e.g. "execute_model", or a callable's qualified name
     3+n     ...   body         pickle (cloudpickle for what pickle refuses) of
@@ -65,6 +66,9 @@ class Replies(enum.IntEnum):
     """Only the driver's own result counts (model steps): no reply collective."""
     ALL = 1
     """Every rank replies; the replies are gathered to the driver."""
+    STEP = 2
+    """A model step with a KV/EC connector: every rank replies with its connector outputs
+    (see :mod:`keepalive_executor.connectors`); an error is fatal, as for DRIVER."""
 
 
 class RpcSerializationError(ValueError):

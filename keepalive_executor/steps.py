@@ -103,6 +103,7 @@ class StepRunner:
         gather: Gather,
         fail: Callable[[str], None],
         execute_timeout_s: float,
+        merge: Callable[[Any, list[Any]], Any] | None = None,
     ) -> None:
         self._channel = channel
         self._pacer = pacer
@@ -111,6 +112,7 @@ class StepRunner:
         self._gather_fn = gather
         self._fail = fail
         self._execute_timeout_s = execute_timeout_s
+        self._merge = merge
         self.owner = threading.RLock()
         self._pending_sample: ExitStack | None = None
         self._pending_output: Any = None
@@ -189,6 +191,9 @@ class StepRunner:
                 self._send(req.name, data)
                 if req.replies is Replies.DRIVER:
                     return self._local_model_step(req.name, method, req.args)
+                if req.replies is Replies.STEP:
+                    value = self._local_model_step(req.name, method, req.args)
+                    return self._merged(req.name, value)
                 error: Exception | None = None
                 value: Any = None
                 try:
@@ -215,20 +220,31 @@ class StepRunner:
         try:
             return self._gather_fn(mine, None if deadline is None else deadline - clock())
         except Exception as e:
-            if deadline is not None and clock() >= deadline:
-                self._fail(f"collective_rpc({name!r}) timed out after {timeout:g}s")
+            if step is not None and deadline is not None and clock() >= deadline:
+                reason = (f"{name} timed out after {step.timeout_s:g}s ({step.timeout_source}) "
+                          "waiting for the other ranks' replies")
+                self._fail(reason)
                 raise TimeoutError(
-                    f"collective_rpc({name!r}) timed out after {timeout:g}s waiting for "
-                    "the other ranks; the executor is now failed (ranks are out of step)"
+                    f"{reason}; the executor is now failed (ranks are out of step)"
                 ) from e
             reason = f"gathering replies to {name} failed: {e}"
             self._fail(reason)
             raise ExecutorFailedError(f"keepalive executor failed: {reason}") from e
 
-    def execute_fused(self, scheduler_output: Any) -> Any:
+    def _merged(self, name: str, value: Any) -> Any:
+        """A ``Replies.STEP`` step: gather every rank's connector outputs, merge them."""
+        from keepalive_executor.connectors import step_reply
+
+        assert self._merge is not None, "Replies.STEP needs a merge function"
+        mine = RpcReply(rank=0, ok=True, value=step_reply(value))
+        replies = self._gather(name, mine, None)
+        return self._merge(value, [r.value for r in replies])
+
+    def execute_fused(self, scheduler_output: Any, replies: Replies = Replies.DRIVER) -> Any:
         """``execute_model`` as a fused step (see the module docstring). Returns rank 0's
-        output; if that is None, the step stays held until :meth:`finish_fused`."""
-        req = RpcRequest(execute_and_sample, (scheduler_output,), {}, Replies.DRIVER)
+        output; if that is None, the step stays held until :meth:`finish_fused`.
+        ``replies``: DRIVER, or STEP while a connector's outputs must be merged."""
+        req = RpcRequest(execute_and_sample, (scheduler_output,), {}, replies)
         data = encode_request(req)
         with ExitStack() as held:
             held.enter_context(self.owner)
@@ -239,6 +255,11 @@ class StepRunner:
             self._send("execute_model", data)
             value, sampled = self._local_model_step("execute_model", execute_then_sample,
                                                     (scheduler_output,))
+            if replies is Replies.STEP:  # the other ranks reply about the step's last output
+                if value is None:
+                    sampled = self._merged("execute_model", sampled)
+                else:
+                    value = self._merged("execute_model", value)
             if value is None:
                 self._pending_output = sampled
                 self._pending_sample = held.pop_all()  # still held: owner, lifecycle, pacer

@@ -39,6 +39,7 @@ from keepalive_executor.channel import (
     MessageKind,
     open_world_channel,
 )
+from keepalive_executor.connectors import step_reply
 from keepalive_executor.log import get_logger
 from keepalive_executor.rpc import (
     Replies,
@@ -100,13 +101,15 @@ def receive_loop(
             raise WorkerStepError(f"rank {rank}: {e}") from e
         if call.request is None:
             logger.error("rank %d could not decode %s: %s", rank, call.name, call.error)
-            if call.replies is Replies.DRIVER:
+            if call.replies is not Replies.ALL:
                 raise WorkerStepError(f"rank {rank}: could not decode {call.name}: {call.error}")
             reply = RpcReply(rank=rank, ok=False,
                              error=f"rank {rank} could not decode the call: {call.error}")
         else:
             reply = _run_one(worker, call.request, rank, run)
-        if call.replies is Replies.ALL:
+        if call.replies is not Replies.DRIVER:
+            if call.replies is Replies.STEP:
+                reply = RpcReply(rank=rank, ok=True, value=step_reply(reply.value))
             gather_replies(reply, reply_group, dst=src, world_size=world_size)
 
 
@@ -115,7 +118,7 @@ def _run_one(worker: Any, req: RpcRequest, rank: int, run: Any) -> RpcReply:
         return RpcReply(rank=rank, ok=True, value=run(worker, req))
     except Exception as e:  # noqa: BLE001 - reported to the driver or fatal
         logger.exception("rank %d: %s raised", rank, req.name)
-        if req.replies is Replies.DRIVER:
+        if req.replies is not Replies.ALL:
             raise WorkerStepError(f"rank {rank}: {req.name} raised {e!r}") from e
         return RpcReply(
             rank=rank,
@@ -200,6 +203,9 @@ def run_worker(
     code = exit_codes.FAILED
     wrapper = None
     try:
+        from vllm.v1.executor.vllm_net_devices import set_worker_net_device
+
+        set_worker_net_device(local_rank, vllm_config)  # NIC selection, as mp's workers do
         wrapper = WorkerWrapperBase(rpc_rank=rank, global_rank=rank)
         all_kwargs: list[dict] = [{} for _ in range(world_size)]
         all_kwargs[rank] = dict(

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["build_tiny_model", "DEFAULT_DIR"]
+__all__ = ["build_tiny_model", "build_tiny_lora", "DEFAULT_DIR"]
 
 DEFAULT_DIR = Path(
     os.environ.get("KEEPALIVE_TINY_MODEL_DIR", "~/.cache/keepalive-executor/tiny-llama")
@@ -79,6 +79,39 @@ def build_tiny_model(path: str | os.PathLike[str] = DEFAULT_DIR, seed: int = 0) 
     model.save_pretrained(out, safe_serialization=True)
     (out / "keepalive_tiny_model.json").write_text(json.dumps({"seed": seed}))
     marker.write_text("ok\n")
+    return out
+
+
+def build_tiny_lora(path: str | os.PathLike[str], model_dir: str | os.PathLike[str],
+                    seed: int = 1, rank: int = 8, alpha: int = 16) -> Path:
+    """Write a PEFT LoRA adapter for the tiny model (q_proj and v_proj of every layer, random
+    A and B, B nonzero so that the adapter changes the outputs) and return its path."""
+    out = Path(path)
+    if (out / "adapter_config.json").exists():
+        return out
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden = cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    out_features = {"q_proj": cfg["num_attention_heads"] * head_dim,
+                    "v_proj": cfg["num_key_value_heads"] * head_dim}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, n_out in out_features.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.1
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.1
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+        "lora_dropout": 0.0, "target_modules": list(out_features), "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "base_model_name_or_path": str(model_dir)}))
     return out
 
 

@@ -11,16 +11,18 @@ from pathlib import Path
 from procs import session_processes
 from servers import env
 
-__all__ = ["HERE", "run_script"]
+__all__ = ["HERE", "PYTHONPATH", "run_script", "run_scripts"]
 
 HERE = Path(__file__).resolve().parent
+#: tests/ on the path of every process an engine starts (fault injection, test connectors)
+PYTHONPATH = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
 
 
 def run_script(name: str, timeout: float = 600, extra_env: dict | None = None,
-               **kwargs) -> dict:
-    """Run engine_scripts.NAME in a fresh interpreter; return its RESULT or fail with its log."""
+               script: str = "engine_scripts.py", **kwargs) -> dict:
+    """Run SCRIPT's NAME in a fresh interpreter; return its RESULT or fail with its log."""
     popen = subprocess.Popen(
-        [sys.executable, str(HERE / "engine_scripts.py"), name, json.dumps(kwargs)],
+        [sys.executable, str(HERE / script), name, json.dumps(kwargs)],
         env=env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,
     )
@@ -45,3 +47,14 @@ def run_script(name: str, timeout: float = 600, extra_env: dict | None = None,
     )
 
 
+
+
+def run_scripts(*calls: dict) -> list[dict]:
+    """Several run_script calls at once (each a dict of its arguments), results in order.
+    The comparisons between executors run both engines side by side: the figures compared
+    are outputs, not times, and the suite is shorter for it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(lambda c=c: run_script(**c)) for c in calls]
+        return [f.result() for f in futures]

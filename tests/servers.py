@@ -45,22 +45,24 @@ class Server:
     """`vllm serve` of the tiny model in its own process group, logs to a file."""
 
     def __init__(self, model: str, log_path: Path, *, tp: int = 2, backend: str = "keepalive",
-                 extra_args: list[str] | None = None, extra_env: dict | None = None):
+                 extra_args: list[str] | None = None, extra_env: dict | None = None,
+                 pp: int = 1):
         self.port = free_port()
         self.log_path = log_path
         args = [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
             "--host", "127.0.0.1", "--port", str(self.port),
-            "-tp", str(tp), "--enforce-eager", "--max-model-len", "256",
+            "-tp", str(tp), "-pp", str(pp), "--enforce-eager", "--max-model-len", "256",
             "--max-num-seqs", "8", "--gpu-memory-utilization", "0.2",
             "--served-model-name", "tiny", "--seed", "0",
         ]
-        if tp > 1:
+        if tp * pp > 1:
             args += ["--distributed-executor-backend", backend]
         args += extra_args or []
         e = env(**(extra_env or {}))
-        if tp == 1:
-            e["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+        # one entry per rank, by local rank; 4 ranks share the 2 CPUs of this machine
+        if extra_env is None or "VLLM_CPU_OMP_THREADS_BIND" not in extra_env:
+            e["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(("0", "1")[r % 2] for r in range(tp * pp))
         self.args = args
         self.leftovers: list[str] = []
         self._log = open(log_path, "w")
@@ -158,7 +160,7 @@ class TorchrunServer(Server):
                  extra_env: dict | None = None, node_env: list[dict] | None = None,
                  rdzv: str = "static", launch_args: list[str] | None = None,
                  master_addr: str = "127.0.0.1", node_prefix: list[list[str]] | None = None,
-                 log_prefix: str = "torchrun"):
+                 log_prefix: str = "torchrun", pp: int = 1):
         self.port = free_port()
         self.tag = uuid.uuid4().hex
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -166,7 +168,7 @@ class TorchrunServer(Server):
         serve = [
             "-m", "keepalive_executor", "serve", model,
             "--host", "127.0.0.1", "--port", str(self.port),
-            "-tp", str(tp), "--enforce-eager", "--max-model-len", "256",
+            "-tp", str(tp), "-pp", str(pp), "--enforce-eager", "--max-model-len", "256",
             "--max-num-seqs", "8", "--gpu-memory-utilization", "0.2",
             "--served-model-name", "tiny", "--seed", "0", *(extra_args or []),
         ]

@@ -276,3 +276,18 @@ def test_a_follower_process_refuses_a_forged_bootstrap_and_runs_nothing(store_en
     assert proc.returncode == 1, out[-3000:]
     assert "rank 1 not starting" in out and "failed authentication (HMAC mismatch)" in out
     assert not marker.exists()
+
+
+def test_multimodal_shm_cache_is_refused_in_torchrun_mode_naming_the_flag():
+    from types import SimpleNamespace
+
+    from keepalive_executor.torchrun import check_features
+
+    def cfg(cache_type):
+        mm = None if cache_type is None else SimpleNamespace(mm_processor_cache_type=cache_type)
+        return SimpleNamespace(model_config=SimpleNamespace(multimodal_config=mm))
+
+    check_features(cfg(None))  # a text model: nothing to refuse
+    check_features(cfg("lru"))
+    with pytest.raises(KeepaliveConfigError, match="--mm-processor-cache-type shm.*lru"):
+        check_features(cfg("shm"))

@@ -20,6 +20,7 @@ __all__ = [
     "TorchrunError",
     "in_torchrun_mode",
     "check_world_size",
+    "check_features",
     "with_keepalive_backend",
     "default_gloo_interface",
     "set_parent_death_signal",
@@ -132,6 +133,25 @@ def check_world_size(parallel_config: Any, environ: Mapping[str, str] | None = N
             f"needs {need} (--tensor-parallel-size={parallel_config.tensor_parallel_size}); "
             f"pass -tp {env.world_size}, or give torchrun --nnodes x --nproc-per-node = "
             f"{need}"
+        )
+
+
+def check_features(vllm_config: Any) -> None:
+    """What torchrun mode cannot do that the spawned mode can, refused naming the flag.
+
+    ``--mm-processor-cache-type shm``: vLLM's multimodal shared-memory cache needs one lock
+    shared by every rank's process (``shared_worker_lock``), which a process can only hand to
+    its own children; torchrun's ranks are not rank 0's children."""
+    from keepalive_executor.config import KeepaliveConfigError
+
+    mm = getattr(getattr(vllm_config, "model_config", None), "multimodal_config", None)
+    if mm is not None and getattr(mm, "mm_processor_cache_type", None) == "shm":
+        raise KeepaliveConfigError(
+            "--mm-processor-cache-type shm is not supported in keepalive's torchrun mode "
+            "(its shared-memory cache needs a lock shared by every rank's process, and "
+            "torchrun's ranks are not rank 0's children): use --mm-processor-cache-type lru "
+            "(vLLM's default), or the spawned mode (vllm serve ... "
+            "--distributed-executor-backend keepalive)"
         )
 
 
