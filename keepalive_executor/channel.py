@@ -39,6 +39,14 @@ lock, :attr:`BroadcastChannel.send_lock`, so messages from several sender thread
 ordered and their frames never interleave. The pacer takes the same lock around its
 "is a step in flight? no: send a keepalive" decision (see :mod:`keepalive_executor.pacer`).
 
+The sender does not wait for a broadcast to complete: a root's broadcast completes only when
+every receiver has posted its own, and a receiver busy with an earlier step (the last stage of a
+pipeline, say) would hold the sender, and with it the whole pipeline, until it is done. So
+:meth:`~BroadcastChannel.send` issues the broadcast asynchronously into one of
+``SEND_WINDOW`` frames and returns; a frame is reused only after its broadcast completed, and
+a broadcast that failed raises at the next send (or :meth:`~BroadcastChannel.flush`), after
+which the channel is closed. Receivers still take messages one at a time, in order.
+
 Devices. On CPU (gloo) the frame is the host buffer and a receiver's wait sleeps inside gloo.
 On a GPU (NCCL/RCCL) the channel owns **one CUDA stream**: every copy and broadcast of the
 channel is issued on it, whichever thread sends (the engine thread, the pacer thread), so a
@@ -56,6 +64,7 @@ rank and whoever can join the process group (see docs/reliability.md).
 
 from __future__ import annotations
 
+import collections
 import enum
 import struct
 import threading
@@ -107,6 +116,8 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1 << 30
 #: ``device``: vLLM's world device group (NCCL/RCCL on GPUs, gloo on CPU); ``cpu``: its gloo
 #: CPU group.
 TRANSPORTS = ("device", "cpu")
+#: Broadcasts the sender may have in flight (each with its own frame) before it waits.
+SEND_WINDOW = 8
 #: Polling wait (receivers on a GPU): the backoff starts at POLL_MIN_S and doubles up to this.
 POLL_MAX_S = 0.005
 POLL_MIN_S = 0.00002
@@ -120,6 +131,8 @@ class ChannelSpec:
     transport: str = "device"
     inline_bytes: int = DEFAULT_INLINE_BYTES
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    #: pipeline parallelism: how long a step's output may take to come back to rank 0
+    output_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -294,6 +307,10 @@ class BroadcastChannel:
         self._next_seq = 1
         self._seq_check = SequenceChecker()
         self._closed = False
+        # sender: the window of frames, and the broadcasts in flight, oldest first
+        self._frames: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self._inflight: collections.deque[_InFlight] = collections.deque()
 
     def bind_thread(self) -> None:
         """Call once in every thread that uses the channel (sets the CUDA device there)."""
@@ -329,10 +346,12 @@ class BroadcastChannel:
         return self._send(MessageKind.KEEPALIVE, b"")
 
     def send_shutdown(self) -> int:
-        """Broadcast the final frame; further sends raise ChannelError."""
-        seq = self._send(MessageKind.SHUTDOWN, b"")
-        self._closed = True
-        return seq
+        """Broadcast the final frame and wait until it is out; further sends raise."""
+        with self.send_lock:
+            seq = self._send(MessageKind.SHUTDOWN, b"")
+            self.flush()
+            self._closed = True
+            return seq
 
     def _send(self, kind: MessageKind, data: bytes | bytearray | memoryview) -> int:
         if not self.is_sender:
@@ -341,20 +360,30 @@ class BroadcastChannel:
             if self._closed:
                 raise ChannelError("channel is shut down (or failed); nothing was sent")
             seq = self._next_seq
-            header = encode_header(FrameHeader(kind=kind, seq=seq, length=len(data)))
-            host = self._host_np
-            host[:HEADER_SIZE] = memoryview(header)
-            if 0 < len(data) <= self.inline_bytes:
-                host[HEADER_SIZE : HEADER_SIZE + len(data)] = memoryview(data)
             try:
+                index = self._take_frame()
+                frame = self._frames[index]
+                header = encode_header(FrameHeader(kind=kind, seq=seq, length=len(data)))
+                host = self._host_np if self._stream is not None else frame.numpy()
+                host[:HEADER_SIZE] = memoryview(header)
+                if 0 < len(data) <= self.inline_bytes:
+                    host[HEADER_SIZE : HEADER_SIZE + len(data)] = memoryview(data)
                 with self._on_stream():
-                    if self._frame is not self._host_frame:
-                        # synchronous w.r.t. the host: the buffer is rewritten next message
-                        self._frame.copy_(self._host_frame)
-                    self._broadcast(self._frame)
+                    if self._stream is not None:
+                        # synchronous w.r.t. the host: the staging buffer is rewritten next
+                        frame.copy_(self._host_frame)
+                    works = [dist.broadcast(frame, src=self.src, group=self.group,
+                                            async_op=True)]
+                    big = None
                     if len(data) > self.inline_bytes:
                         big = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                        self._broadcast(big.to(self.device))
+                        big = big.to(self.device)
+                        works.append(dist.broadcast(big, src=self.src, group=self.group,
+                                                    async_op=True))
+                self._inflight.append(_InFlight(seq, kind, index, works, big))
+            except ChannelTransportError:
+                self._closed = True
+                raise
             except Exception as e:
                 # A frame may be half-delivered: the channel can no longer be trusted.
                 self._closed = True
@@ -363,6 +392,46 @@ class BroadcastChannel:
                 ) from e
             self._next_seq = seq + 1
             return seq
+
+    def _take_frame(self) -> int:
+        """A free frame of the window; reaps completed broadcasts, waits if all are in use."""
+        self._reap(block=False)
+        if not self._free and len(self._frames) < SEND_WINDOW:
+            self._frames.append(torch.zeros(self.frame_bytes, dtype=torch.uint8,
+                                            device=self.device))
+            return len(self._frames) - 1
+        while not self._free:
+            self._reap(block=True)
+        return self._free.pop()
+
+    def _reap(self, block: bool) -> None:
+        """Retire completed broadcasts, oldest first (with ``block``: at least the oldest).
+        A failed one closes the channel and raises ChannelTransportError."""
+        while self._inflight:
+            oldest = self._inflight[0]
+            if not block and not all(w.is_completed() for w in oldest.works):
+                return
+            try:
+                for work in oldest.works:
+                    if self.device.type == "cpu":
+                        work.wait()
+                    else:
+                        _wait_polling(work, self._poll_max_s)
+            except Exception as e:
+                self._closed = True
+                raise ChannelTransportError(
+                    f"broadcast of frame {oldest.seq} ({oldest.kind.name}) from rank "
+                    f"{self.src} failed: {e}"
+                ) from e
+            self._inflight.popleft()
+            self._free.append(oldest.frame)
+            block = False
+
+    def flush(self) -> None:
+        """Wait until every broadcast issued so far has completed (raises as send does)."""
+        with self.send_lock:
+            while self._inflight:
+                self._reap(block=True)
 
     # ---------------------------------------------------------------- receiver side
     def recv(self) -> Message:
@@ -408,6 +477,17 @@ class BroadcastChannel:
     def closed(self) -> bool:
         """True after SHUTDOWN was sent/received, a failure broke the channel, or close()."""
         return self._closed
+
+
+@dataclass
+class _InFlight:
+    """A broadcast the sender issued and has not seen complete."""
+
+    seq: int
+    kind: MessageKind
+    frame: int
+    works: list[Any]
+    big: torch.Tensor | None  # the payload tensor of a two-collective message, kept alive
 
 
 def open_world_channel(spec: ChannelSpec) -> tuple[BroadcastChannel, Any]:

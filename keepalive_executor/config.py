@@ -74,6 +74,7 @@ __all__ = [
     "startup_timeout_s",
     "settings_from_vllm_config",
     "check_parallel_layout",
+    "check_features",
 ]
 
 ENV_INTERVAL = "VLLM_KEEPALIVE_INTERVAL_S"
@@ -275,11 +276,13 @@ def settings_from_vllm_config(
         source = "default: min(timeout/4, 30s)"
         interval = default_interval(timeout)
     validate_interval(interval, timeout, source, timeout_source)
+    execute_timeout_s = _positive_seconds(env, ENV_EXECUTE_TIMEOUT, VLLM_EXECUTE_TIMEOUT_S)
     return KeepaliveSettings(
         channel=ChannelSpec(
             transport=transport,
             inline_bytes=_parse_bytes(env, ENV_INLINE_BYTES, DEFAULT_INLINE_BYTES),
             max_payload_bytes=_parse_bytes(env, ENV_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_BYTES),
+            output_timeout_s=execute_timeout_s,
         ),
         interval_s=interval,
         timeout_s=timeout,
@@ -290,18 +293,31 @@ def settings_from_vllm_config(
         liveness_timeout_s=_positive_seconds(
             env, ENV_LIVENESS_TIMEOUT, DEFAULT_LIVENESS_TIMEOUT_S
         ),
-        execute_timeout_s=_positive_seconds(env, ENV_EXECUTE_TIMEOUT, VLLM_EXECUTE_TIMEOUT_S),
+        execute_timeout_s=execute_timeout_s,
     )
+
+
+def check_features(vllm_config: Any) -> None:
+    """Reject feature combinations this executor does not run yet, naming the flags."""
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp <= 1:
+        return
+    problems = []
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        problems.append("--kv-transfer-config (a KV connector's per-rank outputs are merged "
+                        "without pipeline parallelism only)")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        problems.append("--speculative-config (not tested with pipeline parallelism)")
+    if problems:
+        raise KeepaliveConfigError(
+            f"--distributed-executor-backend keepalive with --pipeline-parallel-size={pp} "
+            "does not support " + "; ".join(problems) + ": drop the flag, or use -pp 1"
+        )
 
 
 def check_parallel_layout(parallel_config: Any) -> None:
     """Reject layouts this executor does not run yet, naming the flag to change."""
     problems = []
-    if parallel_config.pipeline_parallel_size > 1:
-        problems.append(
-            f"--pipeline-parallel-size={parallel_config.pipeline_parallel_size} "
-            "(pipeline parallelism is not supported: use 1)"
-        )
     if getattr(parallel_config, "prefill_context_parallel_size", 1) > 1:
         problems.append(
             "--prefill-context-parallel-size="

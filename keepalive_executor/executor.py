@@ -44,6 +44,7 @@ from keepalive_executor import torchrun
 from keepalive_executor.channel import open_world_channel
 from keepalive_executor.config import (
     KeepaliveSettings,
+    check_features,
     check_parallel_layout,
     settings_from_vllm_config,
 )
@@ -58,10 +59,11 @@ from keepalive_executor.lifecycle import (
     StepWatch,
 )
 from keepalive_executor.log import get_logger
+from keepalive_executor.outputs import OutputReceiver, open_output_link, output_rank
 from keepalive_executor.pacer import Pacer
 from keepalive_executor.ranks import Ranks, make_ranks
 from keepalive_executor.rpc import Replies, RpcReply, RpcRequest, gather_replies
-from keepalive_executor.steps import StepRunner
+from keepalive_executor.steps import StepRunner, execute_then_sample
 
 __all__ = ["KeepaliveExecutor", "ExecutorFailedError"]
 
@@ -106,29 +108,21 @@ class KeepaliveExecutor(Executor):
     """Driver in-process, the other ranks on one broadcast channel."""
 
     uses_ray: bool = False
-    supports_pp: bool = False
+    supports_pp: bool = True
 
     # ------------------------------------------------------------------ start-up
     @staticmethod
     def validate(vllm_config: Any) -> KeepaliveSettings:
         """All start-up checks, cheap enough for the front end: raises KeepaliveConfigError."""
         check_parallel_layout(vllm_config.parallel_config)
+        check_features(vllm_config)
         if torchrun.in_torchrun_mode():
             torchrun.check_world_size(vllm_config.parallel_config)
             torchrun.check_features(vllm_config)
         return settings_from_vllm_config(vllm_config)
 
     def _init_executor(self) -> None:
-        self._life = Lifecycle()
-        self._failure_callback: FailureCallback | None = None
-        self._ranks: Ranks | None = None
-        self._driver: DriverRank | None = None
-        self._channel: Any = None
-        self._pacer: Pacer | None = None
-        self._steps: StepRunner | None = None
-        self._watch: StepWatch | None = None
-        self.world_size = self.parallel_config.world_size
-        self.output_rank = 0
+        self._init_state()
         ranks = make_ranks(self.vllm_config)
         self._ranks = ranks
         self._finalizer = weakref.finalize(self, ranks.kill)
@@ -140,6 +134,23 @@ class KeepaliveExecutor(Executor):
             ranks.tell_error(f"rank 0's executor failed to start: {type(e).__name__}: {e}")
             self.shutdown()
             raise
+
+    def _init_state(self, clock: Callable[[], float] = time.monotonic) -> None:
+        """Every attribute, before anything can fail (also what unit tests start from)."""
+        self._life = Lifecycle(clock)
+        self._failure_callback: FailureCallback | None = None
+        self._ranks: Ranks | None = None
+        self._driver: DriverRank | None = None
+        self._channel: Any = None
+        self._pacer: Pacer | None = None
+        self._steps: StepRunner | None = None
+        self._watch: StepWatch | None = None
+        self._outputs: OutputReceiver | None = None
+        self._pp_sample: Future | None = None
+        self.world_size = self.parallel_config.world_size
+        self.output_rank = output_rank(self.parallel_config)
+        self._pp = self.parallel_config.pipeline_parallel_size > 1
+        self._finalizer = weakref.finalize(self, lambda: None)
 
     def _start(self, ranks: Ranks, settings: KeepaliveSettings) -> None:
         ranks.start(self.vllm_config, settings)
@@ -153,6 +164,10 @@ class KeepaliveExecutor(Executor):
             before_init_device=ranks.before_init_device,
         )
         channel, reply_group = driver.run(open_world_channel, settings.channel)
+        link = driver.run(open_output_link, self.parallel_config,
+                          settings.channel.output_timeout_s)
+        if link is not None:
+            self._outputs = OutputReceiver(link, on_lost=self._fail)
         ranks.wait_ready()
         gather = partial(_gather, group=reply_group, world_size=self.world_size)
         self._assemble(settings, channel, driver, gather)
@@ -182,6 +197,8 @@ class KeepaliveExecutor(Executor):
         if not threads:
             return
         self._watch.start()
+        if self._outputs is not None:
+            self._outputs.start()
         if os.environ.get(_TEST_DISABLE_PACER_ENV) == "1":
             logger.warning("TEST ONLY: keepalive pacer disabled; idle workers will time out")
         else:
@@ -219,6 +236,8 @@ class KeepaliveExecutor(Executor):
             self._channel.close()
         if self._pacer is not None:
             self._pacer.request_stop()
+        if self._outputs is not None:
+            self._outputs.fail_all(ExecutorFailedError(f"keepalive executor failed: {reason}"))
         if failure.stuck is not None:
             logger.error(
                 "keepalive executor: rank 0 is inside %s; it has %gs to return "
@@ -291,10 +310,13 @@ class KeepaliveExecutor(Executor):
         """One model step on every rank; rank 0's output. Without structured-output
         requests it is the fused step (one broadcast; see steps.py)."""
         assert self._steps is not None, "keepalive executor is not started"
-        if getattr(scheduler_output, "has_structured_output_requests", True):
-            call = partial(self._model_step, "execute_model", scheduler_output)
-        else:
+        fused = not getattr(scheduler_output, "has_structured_output_requests", True)
+        if self._pp:
+            return self._pipeline_execute(scheduler_output, fused, non_block)
+        if fused:
             call = partial(self._steps.execute_fused, scheduler_output, self._step_replies())
+        else:
+            call = partial(self._model_step, "execute_model", scheduler_output)
         return _as_future(call) if non_block else call()
 
     def sample_tokens(  # type: ignore[override]
@@ -302,19 +324,60 @@ class KeepaliveExecutor(Executor):
     ) -> Any:
         """Sampling on every rank (the others already sampled after a fused step)."""
         assert self._steps is not None, "keepalive executor is not started"
+        if self._pp:
+            future, self._pp_sample = self._pp_sample, None
+            if future is None or grammar_output is not None:
+                future = self._pipeline_step(RpcRequest("sample_tokens", (grammar_output,), {},
+                                                        Replies.OUTPUT))
+            return future if non_block else future.result()
         if self._steps.sample_pending:
             call = partial(self._steps.finish_fused, grammar_output)
         else:
             call = partial(self._model_step, "sample_tokens", grammar_output)
         return _as_future(call) if non_block else call()
 
+    # -- pipeline parallelism: results come from the last stage (outputs.py) --------
+    def _pipeline_step(self, req: RpcRequest, local_method: Any = None) -> Future:
+        assert self._steps is not None and self._outputs is not None
+        try:
+            return self._steps.call_output(req, self._outputs.expect, local_method)
+        except Exception as e:  # noqa: BLE001 - delivered through the future
+            future: Future = Future()
+            future.set_exception(e)
+            return future
+
+    def _pipeline_execute(self, scheduler_output: Any, fused: bool, non_block: bool) -> Any:
+        """Broadcast the step, run stage 0's part, return a future of the last stage's
+        output. Fused: the last stage samples right after its forward pass and sends both
+        results; the engine's sample_tokens then gets the second."""
+        self._pp_sample = None
+        if fused:
+            both = self._pipeline_step(
+                RpcRequest(execute_then_sample, (scheduler_output,), {}, Replies.OUTPUT))
+            future, self._pp_sample = _split_pair(both)
+        else:
+            future = self._pipeline_step(
+                RpcRequest("execute_model", (scheduler_output,), {}, Replies.OUTPUT))
+        return future if non_block else future.result()
+
     def execute_dummy_batch(self) -> None:
         """A dummy step on every rank."""
         self._model_step("execute_dummy_batch", replies=Replies.DRIVER)
 
     def take_draft_token_ids(self) -> Any:
-        """Rank 0's draft tokens (every rank takes its own)."""
+        """The output rank's draft tokens (every rank takes its own)."""
+        if self._pp:
+            return self._pipeline_step(
+                RpcRequest("take_draft_token_ids", (), {}, Replies.OUTPUT)).result()
         return self._model_step("take_draft_token_ids", replies=Replies.DRIVER)
+
+    def compile_or_warm_up_model(self) -> None:
+        """vLLM's warm-up, then (pipeline parallelism on CPU, eager mode) the receive buffer
+        vLLM 0.32 allocates only in a warm-up run that eager mode skips on CPU; without it
+        every stage but the first fails its first step (mp too: docs/usage.md)."""
+        super().compile_or_warm_up_model()
+        if self._pp:
+            self.collective_rpc(_allocate_pipeline_buffers)
 
     def check_health(self) -> None:
         """Raise if failed, if a worker process is gone, or if a round trip takes > 10 s."""
@@ -339,6 +402,9 @@ class KeepaliveExecutor(Executor):
         failed = previous is ExecutorState.FAILED
         if self._pacer is not None:
             self._pacer.stop(timeout=SHUTDOWN_SEND_S)
+        if self._outputs is not None:
+            self._outputs.fail_all(ExecutorFailedError("keepalive executor is shut down"))
+            self._outputs.stop()
         channel, steps = self._channel, self._steps
         if steps is not None:
             steps.release_pending()
@@ -359,6 +425,37 @@ class KeepaliveExecutor(Executor):
             os.unlink(init_method[7:])
         self._finalizer.detach()
         logger.info("keepalive executor shut down; worker exit codes %s", codes)
+
+
+def _allocate_pipeline_buffers(worker: Any) -> bool:
+    """On stages after the first, allocate the intermediate-tensor buffer if missing."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    runner = worker.model_runner
+    if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", None) is not None:
+        return False
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+    return True
+
+
+def _split_pair(both: Future) -> tuple[Future, Future]:
+    """Two futures for the two halves of a future pair (or both failing with its error)."""
+    first: Future = Future()
+    second: Future = Future()
+
+    def settle(f: Future) -> None:
+        error = f.exception()
+        if error is not None:
+            first.set_exception(error)
+            second.set_exception(error)
+        else:
+            a, b = f.result()
+            first.set_result(a)
+            second.set_result(b)
+
+    both.add_done_callback(settle)
+    return first, second
 
 
 def _gather(mine: RpcReply, timeout_s: float | None, *, group: Any, world_size: int

@@ -55,3 +55,27 @@ def register() -> None:
     get_class.__doc__ = vllm_get_class.__doc__
     setattr(get_class, _MARK, True)
     Executor.get_class = staticmethod(get_class)  # type: ignore[method-assign]
+    _let_the_name_carry_supports_pp()
+
+
+def _let_the_name_carry_supports_pp() -> None:
+    """vLLM's front end allows ``--pipeline-parallel-size > 1`` only for its own backend
+    names or for a backend *object* with ``supports_pp`` (``EngineArgs._check_feature_
+    supported``); a name from the command line is a string. For exactly the name
+    ``keepalive``, the check sees the class the name stands for."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    vllm_check = EngineArgs._check_feature_supported
+
+    def check(self: Any) -> None:
+        if self.distributed_executor_backend != BACKEND_NAME:
+            return vllm_check(self)
+        from keepalive_executor.executor import KeepaliveExecutor
+
+        self.distributed_executor_backend = KeepaliveExecutor
+        try:
+            return vllm_check(self)
+        finally:
+            self.distributed_executor_backend = BACKEND_NAME
+
+    EngineArgs._check_feature_supported = check  # type: ignore[method-assign]

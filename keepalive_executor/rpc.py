@@ -4,7 +4,8 @@ A call is one :class:`RpcRequest`, encoded as an **envelope** and broadcast on t
 
     offset  size  field
     0       1     replies      Replies: 0 driver only, 1 every rank, 2 a model step whose
-                               connector outputs every rank reports
+                               connector outputs every rank reports, 3 the output rank's
+                               result (pipeline parallelism, see outputs.py)
     1       2     name_len     length of the call's name (utf-8)
     3       ...   name         e.g. "execute_model", or a callable's qualified name
     3+n     ...   body         pickle (cloudpickle for what pickle refuses) of
@@ -69,6 +70,9 @@ class Replies(enum.IntEnum):
     STEP = 2
     """A model step with a KV/EC connector: every rank replies with its connector outputs
     (see :mod:`keepalive_executor.connectors`); an error is fatal, as for DRIVER."""
+    OUTPUT = 3
+    """Pipeline parallelism: the output rank (last stage) sends its result to rank 0 over
+    the output group (see :mod:`keepalive_executor.outputs`); an error is fatal elsewhere."""
 
 
 class RpcSerializationError(ValueError):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
 from typing import Any, Protocol
 
@@ -295,6 +296,36 @@ class StepRunner:
                 held.close()
             except RuntimeError:  # the owner lock belongs to another thread
                 logger.debug("pending fused step released from another thread")
+
+    def call_output(self, req: RpcRequest, expect: Callable[[str], Future],
+                    local_method: Any = None) -> Future:
+        """A pipeline step (``Replies.OUTPUT``): broadcast, run rank 0's stage, and return a
+        Future of the output rank's result, which arrives later (outputs.py). The step stays
+        on the pacer until then; rank 0's own result is not the step's."""
+        data = encode_request(req)
+        method = local_method if local_method is not None else req.method
+        with self.owner:
+            self._refuse_while_sample_pending(req.name)
+            self._life.enter(req.name, self._execute_timeout_s, EXECUTE_TIMEOUT_SOURCE)
+            try:
+                try:
+                    self._pacer.begin_step()
+                except PacerError as e:
+                    err = ExecutorFailedError(f"keepalive executor cannot begin {req.name}: {e}")
+                    raise (self._life.error() or err) from e
+                try:
+                    self._send(req.name, data)
+                except BaseException:
+                    self._pacer.finish_step()
+                    raise
+                # Registered after the broadcast, under the owner lock: expected outputs are
+                # in broadcast order, and the output rank's send waits for rank 0's receive.
+                future = expect(req.name)
+                future.add_done_callback(lambda _: self._pacer.finish_step())
+                self._local_model_step(req.name, method, req.args)
+            finally:
+                self._life.exit()
+        return future
 
     def send_shutdown(self, channel_shutdown: Callable[[], Any], timeout_s: float) -> bool:
         """Broadcast SHUTDOWN once no step holds the channel; bounded by ``timeout_s``."""

@@ -41,6 +41,7 @@ from keepalive_executor.channel import (
 )
 from keepalive_executor.connectors import step_reply
 from keepalive_executor.log import get_logger
+from keepalive_executor.outputs import open_output_link
 from keepalive_executor.rpc import (
     Replies,
     RequestDecodeError,
@@ -82,8 +83,12 @@ def receive_loop(
     world_size: int,
     src: int = 0,
     run: Any = run_request,
+    output: Any = None,
 ) -> int:
-    """Follow the driver until SHUTDOWN; return the number of keepalives seen."""
+    """Follow the driver until SHUTDOWN; return the number of keepalives seen.
+
+    ``output``: this rank's end of the output link, if it is the output rank of a pipeline
+    (it sends the result of every ``Replies.OUTPUT`` call to rank 0)."""
     keepalives = 0
     while True:
         msg = channel.recv()
@@ -101,16 +106,35 @@ def receive_loop(
             raise WorkerStepError(f"rank {rank}: {e}") from e
         if call.request is None:
             logger.error("rank %d could not decode %s: %s", rank, call.name, call.error)
-            if call.replies is not Replies.ALL:
-                raise WorkerStepError(f"rank {rank}: could not decode {call.name}: {call.error}")
             reply = RpcReply(rank=rank, ok=False,
                              error=f"rank {rank} could not decode the call: {call.error}")
+            if call.replies is Replies.OUTPUT and output is not None:
+                output.send(reply)  # rank 0 learns why before this rank goes
+            if call.replies is not Replies.ALL:
+                raise WorkerStepError(f"rank {rank}: could not decode {call.name}: {call.error}")
+        elif call.replies is Replies.OUTPUT:
+            _run_output_step(worker, call.request, rank, run, output)
+            continue
         else:
             reply = _run_one(worker, call.request, rank, run)
         if call.replies is not Replies.DRIVER:
             if call.replies is Replies.STEP:
                 reply = RpcReply(rank=rank, ok=True, value=step_reply(reply.value))
             gather_replies(reply, reply_group, dst=src, world_size=world_size)
+
+
+def _run_output_step(worker: Any, req: RpcRequest, rank: int, run: Any, output: Any) -> None:
+    """A pipeline step: every rank runs it; the output rank sends its result to rank 0."""
+    try:
+        value = run(worker, req)
+    except Exception as e:
+        logger.exception("rank %d: %s raised", rank, req.name)
+        if output is not None:
+            output.send(RpcReply(rank=rank, ok=False, error=f"{type(e).__name__}: {e}",
+                                 traceback=traceback.format_exc()))
+        raise WorkerStepError(f"rank {rank}: {req.name} raised {e!r}") from e
+    if output is not None:
+        output.send(RpcReply(rank=rank, ok=True, value=value))
 
 
 def _run_one(worker: Any, req: RpcRequest, rank: int, run: Any) -> RpcReply:
@@ -143,12 +167,23 @@ def _watch_parent(death_pipe: Connection, shutting_down: threading.Event) -> Non
     threading.Thread(target=watch, name="keepalive-parent-watch", daemon=True).start()
 
 
-def name_process(rank: int) -> None:
-    """"VLLM::KeepaliveWorker_TP<rank>" in ps/top, and the same prefix on its log lines."""
+def process_name(rank: int, parallel_config: Any = None) -> str:
+    """``KeepaliveWorker_TP<rank>``; under pipeline parallelism
+    ``KeepaliveWorker_PP<stage>_TP<rank in the stage>``, as vLLM's mp names its workers."""
+    pp = getattr(parallel_config, "pipeline_parallel_size", 1)
+    if pp <= 1:
+        return f"KeepaliveWorker_TP{rank}"
+    tp = parallel_config.tensor_parallel_size
+    return f"KeepaliveWorker_PP{rank // tp}_TP{rank % tp}"
+
+
+def name_process(rank: int, parallel_config: Any = None) -> None:
+    """The process's name in ps/top ("VLLM::" + process_name), and its log-line prefix."""
     from vllm.utils.system_utils import decorate_logs, set_process_title
 
-    set_process_title(name=f"KeepaliveWorker_TP{rank}")
-    decorate_logs(f"KeepaliveWorker_TP{rank}")
+    name = process_name(rank, parallel_config)
+    set_process_title(name=name)
+    decorate_logs(name)
 
 
 def bind_threads(vllm_config: Any, local_rank: int) -> None:
@@ -221,8 +256,10 @@ def run_worker(
             on_constructed()
         wrapper.init_device()
         channel, reply_group = open_world_channel(spec)
+        output = open_output_link(vllm_config.parallel_config, spec.output_timeout_s)
         on_ready()
-        receive_loop(wrapper, channel, reply_group, rank=rank, world_size=world_size)
+        receive_loop(wrapper, channel, reply_group, rank=rank, world_size=world_size,
+                     output=output)
         code = exit_codes.OK
     except ChannelError as e:
         if stop_requested.is_set():
@@ -267,7 +304,7 @@ def worker_main(
     signal.signal(signal.SIGINT, on_signal)
     _watch_parent(death_pipe, shutting_down)
 
-    name_process(rank)
+    name_process(rank, worker_kwargs["vllm_config"].parallel_config)
 
     def alive() -> None:
         ready_pipe.send({"status": "ALIVE", "rank": rank, "pid": os.getpid()})

@@ -209,6 +209,39 @@ def kv_connector(model: str, backend: str, workdir: str, fault_dir: str) -> dict
     return r
 
 
+PP_COMPILATION = {"mode": 2, "backend": "eager"}
+
+
+def pipeline(model: str, backend: str, tp: int, pp: int, eager: bool = False) -> dict:
+    """Pipeline parallelism: greedy answers of 16 requests (two batches of 8, prefills split
+    into 64-token chunks, so several batches are in flight), and structured outputs mixed with
+    free requests (the non-fused path). ``eager``: ``enforce_eager``, which vLLM 0.32's mp
+    cannot run with PP on CPU (see docs/usage.md); otherwise compilation mode 2 with the eager
+    backend, which both can."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(("0", "1")[r % 2] for r in range(tp * pp))
+    from vllm import LLM, SamplingParams
+
+    extra: dict[str, Any] = dict(max_num_batched_tokens=64)
+    if not eager:
+        extra.update(enforce_eager=False, compilation_config=PP_COMPILATION)
+    kw = base_kwargs(model, backend, **extra)
+    kw.update(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    if backend == "none":
+        kw.pop("distributed_executor_backend")
+    llm = LLM(**kw)
+    r: dict[str, Any] = {}
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]
+    r["greedy"] = ids(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+                                                           ignore_eos=True), use_tqdm=False))
+    mixed = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=structured(k))
+             for k in ("json", "regex", "choice")]
+    mixed.append(SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    r["structured_mixed"] = texts(llm.generate(PROMPTS, mixed, use_tqdm=False))
+    if backend == "keepalive":
+        r["max_steps_in_flight"] = _executor(llm)._outputs.max_pending
+    return r
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     name, kwargs = sys.argv[1], json.loads(sys.argv[2])

@@ -15,6 +15,7 @@ from keepalive_executor.config import (
     ENV_STARTUP_TIMEOUT,
     ENV_TRANSPORT,
     KeepaliveConfigError,
+    check_features,
     check_parallel_layout,
     default_interval,
     settings_from_vllm_config,
@@ -132,10 +133,23 @@ def test_unknown_transport():
 
 @pytest.mark.parametrize(
     "kw, flag",
-    [({"pp": 2}, "--pipeline-parallel-size=2"), ({"dp": 2}, "--data-parallel-size=2"),
+    [({"dp": 2}, "--data-parallel-size=2"),
      ({"nnodes": 2}, "--nnodes=2"), ({"pcp": 2}, "--prefill-context-parallel-size=2")],
 )
 def test_unsupported_layouts_name_the_flag(kw, flag):
     with pytest.raises(KeepaliveConfigError, match=flag):
         check_parallel_layout(cfg(**kw).parallel_config)
     check_parallel_layout(cfg().parallel_config)
+    check_parallel_layout(cfg(pp=2).parallel_config)  # pipeline parallelism is supported
+
+
+@pytest.mark.parametrize("field, flag", [("kv_transfer_config", "--kv-transfer-config"),
+                                         ("speculative_config", "--speculative-config")])
+def test_features_not_combined_with_pipeline_parallelism_name_the_flags(field, flag):
+    config = cfg(pp=2)
+    check_features(config)  # neither set
+    setattr(config, field, object())
+    with pytest.raises(KeepaliveConfigError, match=f"pipeline-parallel-size=2.*{flag}"):
+        check_features(config)
+    config.parallel_config.pipeline_parallel_size = 1
+    check_features(config)  # without PP both work (tests/test_parity.py)

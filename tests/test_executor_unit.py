@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -25,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from keepalive_executor.channel import ChannelSpec, ChannelTransportError
 from keepalive_executor.config import KeepaliveSettings
 from keepalive_executor.executor import KeepaliveExecutor
-from keepalive_executor.lifecycle import ExecutorFailedError, ExecutorState, Lifecycle
+from keepalive_executor.lifecycle import ExecutorFailedError, ExecutorState
 from keepalive_executor.rpc import RpcReply, WorkerRpcError, decode_request
 
 INTERVAL = 1.0
@@ -182,12 +181,8 @@ class UnitExecutor(KeepaliveExecutor):
 
     def _init_executor(self) -> None:
         f = UnitExecutor.fakes
-        self._life = Lifecycle(clock=f["clock"])
-        self._failure_callback = None
+        self._init_state(clock=f["clock"])
         self._ranks = FakeRanks()
-        self._finalizer = weakref.finalize(self, lambda: None)
-        self.world_size = WORLD
-        self.output_rank = 0
         self._assemble(f["settings"], f["channel"], f["driver"], f["gather"], clock=f["clock"],
                        threads=False)
 
@@ -195,7 +190,9 @@ class UnitExecutor(KeepaliveExecutor):
 def make_executor(trace: Trace, clock: Clock, gather):
     echo_rank.trace = trace
     cfg = SimpleNamespace(model_config=None, cache_config=None, lora_config=None,
-                          load_config=None, parallel_config=SimpleNamespace(world_size=WORLD),
+                          load_config=None, parallel_config=SimpleNamespace(
+                              world_size=WORLD, tensor_parallel_size=WORLD,
+                              pipeline_parallel_size=1),
                           scheduler_config=None, device_config=None, speculative_config=None,
                           observability_config=None)
     channel, driver = FakeChannel(trace), FakeDriver(trace, clock)
@@ -510,4 +507,64 @@ def test_keepalives_are_sent_while_idle_between_steps():
     ex.sample_tokens(None)
     ex._pacer.tick()
     assert trace.events[-1] == ("keepalive", "")
+    ex.shutdown()
+
+
+class FakeOutputs:
+    """Rank 0's output receiver for pipeline steps: the test resolves the futures."""
+
+    def __init__(self) -> None:
+        self.expected: list[tuple[str, Future]] = []
+
+    def expect(self, name: str) -> Future:
+        future: Future = Future()
+        self.expected.append((name, future))
+        return future
+
+    def fail_all(self, error: BaseException) -> None:
+        for _, f in self.expected:
+            if not f.done():
+                f.set_exception(error)
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def test_pipeline_steps_overlap_resolve_in_order_and_hold_the_pacer_until_their_output():
+    trace, clock = Trace(), Clock()
+    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD)
+    ex._pp, ex._outputs = True, FakeOutputs()
+    pacer = ex._pacer
+    # batch A: fused execute_model returns at once with a pending future; so does sample
+    exec_a = ex.execute_model(so(), non_block=True)
+    sample_a = ex.sample_tokens(None, non_block=True)
+    assert not exec_a.done() and not sample_a.done() and pacer.in_flight == 1
+    # batch B overlaps: broadcast and stage 0's part while A's output is still out
+    exec_b = ex.execute_model(so(), non_block=True)
+    sample_b = ex.sample_tokens(None, non_block=True)
+    assert pacer.in_flight == 2
+    assert [e for e in trace.events if e[0] == "broadcast"] == [
+        ("broadcast", "execute_then_sample")] * 2
+    clock.now += 10 * INTERVAL
+    pacer.tick()  # steps in flight: no keepalive however long they take
+    assert ("keepalive", "") not in trace.events
+    # the last stage's outputs arrive, in order: (execute_model's, sample_tokens')
+    ex._outputs.expected[0][1].set_result((None, "sampled-A"))
+    assert exec_a.result() is None and sample_a.result() == "sampled-A"
+    assert pacer.in_flight == 1 and not sample_b.done()
+    ex._outputs.expected[1][1].set_result((None, "sampled-B"))
+    assert sample_b.result() == "sampled-B" and exec_b.result() is None
+    assert pacer.in_flight == 0
+    pacer.tick()
+    assert trace.events[-1] == ("keepalive", "")
+    # a rank is lost with a step in flight: its futures fail, the pacer is released
+    exec_c = ex.execute_model(so(), non_block=True)
+    sample_c = ex.sample_tokens(None, non_block=True)
+    threading.Thread(target=ex._fail, args=("worker rank 1 died",)).start()
+    with pytest.raises(ExecutorFailedError, match="worker rank 1 died"):
+        sample_c.result(timeout=10)
+    assert exec_c.exception(timeout=10) is not None and pacer.in_flight == 0
     ex.shutdown()

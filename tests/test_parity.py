@@ -229,3 +229,52 @@ def test_pooling_model_embeddings_through_vllm_serve(tiny_model, tmp_path):
     for a, b in zip(ka, mp, strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
     assert abs(sum(x * x for x in ka[0]) - 1.0) < 1e-4  # normalised, as vLLM's pooler does
+
+
+# ---------------------------------------------------------------- pipeline parallelism
+
+
+@pytest.fixture(scope="module")
+def pipeline_tp1_pp2(tiny_model, tmp_path_factory):
+    """-tp 1 -pp 2 under keepalive (eager, and compilation mode 2) and mp (mode 2: mp cannot
+    run PP in eager mode on vLLM 0.32's CPU backend), and the TP=1 reference."""
+    def call(backend, tp, pp, eager=False):
+        return dict(name="pipeline", script="parity_scripts.py", model=tiny_model,
+                    backend=backend, tp=tp, pp=pp, eager=eager,
+                    extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                               "PYTHONPATH": PYTHONPATH})
+    ka, mp, ka_eager, tp1 = run_scripts(call("keepalive", 1, 2), call("mp", 1, 2),
+                                        call("keepalive", 1, 2, eager=True),
+                                        call("none", 1, 1, eager=True))
+    return {"keepalive": ka, "mp": mp, "keepalive-eager": ka_eager, "tp1": tp1}
+
+
+def test_pipeline_tp1_pp2_gives_mps_and_tp1s_answers_with_batches_overlapping(
+        pipeline_tp1_pp2):
+    r = pipeline_tp1_pp2
+    assert r["keepalive"]["greedy"] == r["mp"]["greedy"] == r["tp1"]["greedy"]
+    assert r["keepalive-eager"]["greedy"] == r["tp1"]["greedy"]
+    assert len(r["keepalive"]["greedy"]) == 16
+    # the engine kept two batches in flight (its batch queue is PP deep)
+    assert r["keepalive"]["max_steps_in_flight"] >= 2
+
+
+def test_pipeline_structured_outputs_the_non_fused_path_equal_mps(pipeline_tp1_pp2):
+    r = pipeline_tp1_pp2
+    assert r["keepalive"]["structured_mixed"] == r["mp"]["structured_mixed"]
+    assert r["keepalive-eager"]["structured_mixed"] == r["tp1"]["structured_mixed"]
+    js, rx, ch, free = r["keepalive"]["structured_mixed"]
+    assert set(json.loads(js)) == {"a", "b"} and re.fullmatch(REGEX, rx) and ch in CHOICES
+
+
+def test_pipeline_tp2_pp2_four_ranks_gives_mps_and_tp1s_answers(tiny_model, pipeline_tp1_pp2):
+    """Four ranks on this 2-core machine (two per core): one at a time."""
+    def call(backend):
+        return dict(name="pipeline", script="parity_scripts.py", model=tiny_model,
+                    backend=backend, tp=2, pp=2,
+                    extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH})
+    [ka] = run_scripts(call("keepalive"))
+    [mp] = run_scripts(call("mp"))
+    assert ka["greedy"] == mp["greedy"] == pipeline_tp1_pp2["tp1"]["greedy"]
+    assert ka["structured_mixed"] == mp["structured_mixed"]
+    assert ka["max_steps_in_flight"] >= 2

@@ -295,21 +295,29 @@ def second_host():
 
 
 @pytest.mark.slow
-def test_two_hosts_over_veth_serve_idle_then_losing_host1_fails_the_server(
+def test_two_hosts_over_veth_one_pipeline_stage_each_serve_idle_then_losing_host1_fails(
         tiny_model, tmp_path, second_host):
-    """Node 1 in its own network namespace: rendezvous and gloo cross a veth link, not
-    loopback. Serve, idle past the timeout, then node 1's agent dies."""
+    """TP inside a node, PP across nodes: one pipeline stage per "host", node 1 in its own
+    network namespace, so the rendezvous, the channel and the last stage's outputs cross a
+    veth link. Serve (the same answers as the spawned mode's PP), idle past the timeout, then
+    node 1 freezes (its heartbeat stops), then its agent dies."""
     pair = second_host
+    pp_args = [*ARGS, "--dtype", "float32"]
+    reference = Server(tiny_model, tmp_path / "spawned-pp.log", tp=1, pp=2, extra_args=pp_args)
     server = TorchrunServer(
-        tiny_model, tmp_path, nnodes=2, nproc=1, extra_args=ARGS, master_addr=pair.here_ip,
-        node_prefix=[[], pair.prefix],
+        tiny_model, tmp_path, nnodes=2, nproc=1, tp=1, pp=2, extra_args=pp_args,
+        master_addr=pair.here_ip, node_prefix=[[], pair.prefix],
         node_env=[{**TWO_NODES[0], "GLOO_SOCKET_IFNAME": pair.here_if},
                   {**TWO_NODES[1], "GLOO_SOCKET_IFNAME": pair.there_if}])
     try:
+        reference.wait_ready()
+        expected = ask(reference.client())
+        reference.stop()
         server.wait_ready()
         procs = server.tree()
         client = server.client()
         before = ask(client)
+        assert texts(before) == texts(expected)
         assert before["stream_chunks"] > 1
         time.sleep(IDLE_S)
         assert server.health() == 200
@@ -317,7 +325,7 @@ def test_two_hosts_over_veth_serve_idle_then_losing_host1_fails_the_server(
         log1 = server.log(1)
         assert f"follows the driver (torchrun's store at {pair.here_ip}:" in log1
         # node 1 freezes (no socket closes): its heartbeat across the link stops
-        [rank1] = by_title(server, "KeepaliveWorker_TP1")
+        [rank1] = by_title(server, "KeepaliveWorker_PP1_TP0")
         rank1.suspend()
         assert wait_unhealthy(server, 30) < LIVENESS_BOUND_S
         assert "rank 1 sent no heartbeat for" in server.log(0)
@@ -326,7 +334,28 @@ def test_two_hosts_over_veth_serve_idle_then_losing_host1_fails_the_server(
         left = left_after(procs, 10)
         log0 = server.log(0)
     finally:
+        reference.stop()
         server.stop()
     assert codes[0] not in (None, 0), codes
     assert "keepalive executor failed" in log0
     assert left == []
+
+
+@pytest.mark.slow
+def test_one_node_pipeline_two_stages_serves_like_spawned_mode(tiny_model, tmp_path):
+    """`torchrun --nproc-per-node 2 -m keepalive_executor serve -tp 1 -pp 2`: the same answers
+    as the spawned mode's PP (both servers started side by side)."""
+    pp_args = [*ARGS, "--dtype", "float32"]
+    reference = Server(tiny_model, tmp_path / "spawned-pp.log", tp=1, pp=2, extra_args=pp_args)
+    server = TorchrunServer(tiny_model, tmp_path, tp=1, pp=2, extra_args=pp_args)
+    try:
+        reference.wait_ready()
+        server.wait_ready()
+        procs = server.tree()
+        assert texts(ask(server.client())) == texts(ask(reference.client()))
+        assert by_title(server, "KeepaliveWorker_PP1_TP0")
+    finally:
+        reference.stop()
+        code = server.stop()
+    assert code is not None
+    assert left_after(procs, 10) == []

@@ -200,6 +200,7 @@ def _follow(env: TorchrunEnv) -> int:
             env.rank, vllm_config.parallel_config.world_size, env.world_size,
         )
         return exit_codes.FAILED
+    name_process(env.rank, vllm_config.parallel_config)
     logger.info(
         "rank %d of %d (local rank %d) follows the driver (torchrun's store at %s)",
         env.rank, env.world_size, env.local_rank, env.address,

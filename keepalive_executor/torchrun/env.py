@@ -130,9 +130,10 @@ def check_world_size(parallel_config: Any, environ: Mapping[str, str] | None = N
     if env.world_size != need:
         raise KeepaliveConfigError(
             f"torchrun started WORLD_SIZE={env.world_size} ranks but vLLM's configuration "
-            f"needs {need} (--tensor-parallel-size={parallel_config.tensor_parallel_size}); "
-            f"pass -tp {env.world_size}, or give torchrun --nnodes x --nproc-per-node = "
-            f"{need}"
+            f"needs {need} (--tensor-parallel-size={parallel_config.tensor_parallel_size} x "
+            f"--pipeline-parallel-size={parallel_config.pipeline_parallel_size}); pass -tp and "
+            f"-pp whose product is {env.world_size}, or give torchrun --nnodes x "
+            f"--nproc-per-node = {need}"
         )
 
 

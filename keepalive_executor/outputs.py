@@ -1,0 +1,205 @@
+"""Pipeline parallelism: the last stage's step outputs, back to rank 0.
+
+Under PP, rank 0 (the driver, first rank of the first stage) computes nothing the scheduler
+needs: a step's output (sampled tokens, logprobs) is made by the last stage, on vLLM's
+``output_rank``, ``(P - 1) * T``. It comes back without a second RPC system, over the same
+torch.distributed world, and only for the steps that need it (``Replies.OUTPUT``)::
+
+    rank 0 (engine thread)             other ranks                 output rank
+    ------------------------           -----------                 -----------
+    expect(step) -> a future
+    broadcast the step ------------->  run their stage  --------> run the last stage
+    run stage 0's part (ignored)       (send activations on)       send (length, reply) on the
+    return the future                                              output group (gloo, 2 ranks)
+    thread keepalive-output-recv:  <-------------------------------------------------+
+      receive the next reply, resolve the oldest expected future (FIFO)
+
+* The **output group** is a 2-rank gloo group ``[0, output_rank]`` that every rank creates at
+  start-up, in the same order, right after the channel. Only the output rank sends on it and
+  only rank 0 receives, so replies arrive in step order. Its timeout is
+  ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``: an output that does not arrive in time fails the
+  executor.
+* Rank 0 posts a receive only while a step is expected, so an idle engine has no pending
+  collective on the group to time out.
+* Steps overlap: the engine keeps up to P batches in flight (``max_concurrent_batches``), the
+  channel's broadcasts do not wait for a busy last stage (see :mod:`.channel`), and each
+  step's future resolves when its output arrives. Every step is on the pacer from its broadcast
+  until its output arrived, so no keepalive is sent while any is in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from keepalive_executor.log import get_logger
+from keepalive_executor.rpc import RpcReply, serialize
+
+__all__ = ["output_rank", "OutputLink", "OutputReceiver", "open_output_link"]
+
+logger = get_logger(__name__)
+_LENGTH_TAG, _DATA_TAG = 1, 2
+
+
+def output_rank(parallel_config: Any) -> int:
+    """vLLM's output rank: the first TP rank of the last PP stage."""
+    return (parallel_config.world_size
+            - parallel_config.tensor_parallel_size
+            * getattr(parallel_config, "prefill_context_parallel_size", 1))
+
+
+class OutputLink:
+    """Point-to-point from the output rank to rank 0 on their 2-rank gloo group."""
+
+    def __init__(self, group: Any, src: int, dst: int = 0,
+                 timeout_s: float | None = None) -> None:
+        self.group = group
+        self.src = src
+        self.dst = dst
+        self.timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+
+    def send(self, reply: RpcReply) -> None:
+        """The output rank: one reply (blocks until rank 0 receives it)."""
+        try:
+            data = serialize(reply)
+        except Exception as e:  # noqa: BLE001 - an unsendable output is the step's error
+            data = pickle.dumps(RpcReply(rank=reply.rank, ok=False,
+                                         error=f"step output cannot be sent: {e}"))
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        dist.send(length, dst=self.dst, group=self.group, tag=_LENGTH_TAG)
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=self.dst,
+                  group=self.group, tag=_DATA_TAG)
+
+    def recv(self) -> RpcReply:
+        """Rank 0: the next reply (raises on timeout or a lost peer)."""
+        length = torch.zeros(1, dtype=torch.int64)
+        self._wait(dist.irecv(length, src=self.src, group=self.group, tag=_LENGTH_TAG))
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._wait(dist.irecv(data, src=self.src, group=self.group, tag=_DATA_TAG))
+        return pickle.loads(data.numpy().tobytes())
+
+    def _wait(self, work: Any) -> None:
+        if self.timeout is None:
+            work.wait()
+        else:
+            work.wait(self.timeout)
+
+
+def open_output_link(parallel_config: Any, timeout_s: float) -> OutputLink | None:
+    """Every rank, in the same order, right after the channel: the output group, or None
+    without PP. Returns the link on rank 0 and the output rank, None elsewhere."""
+    if parallel_config.pipeline_parallel_size <= 1:
+        return None
+    out = output_rank(parallel_config)
+    group = dist.new_group([0, out], backend="gloo", timeout=timedelta(seconds=timeout_s))
+    if dist.get_rank() not in (0, out):
+        return None
+    return OutputLink(group, src=out, timeout_s=timeout_s)
+
+
+@dataclass
+class _Expected:
+    name: str
+    future: Future
+
+
+class OutputReceiver:
+    """Thread ``keepalive-output-recv`` on rank 0: resolves expected steps in order.
+
+    ``expect(name)`` returns a Future that resolves with the output rank's reply value (or
+    raises its error); ``on_lost(reason)`` is called once if a reply cannot be received, and
+    the thread ends. ``fail_all(error)`` fails every expected future (the executor failed).
+    """
+
+    def __init__(self, link: OutputLink, on_lost: Callable[[str], None]) -> None:
+        self._link = link
+        self._on_lost = on_lost
+        self._cond = threading.Condition()
+        self._expected: collections.deque[_Expected] = collections.deque()
+        self._stopping = False
+        self._failed: BaseException | None = None
+        self.max_pending = 0  # the most steps ever in flight at once (overlap, for tests)
+        self._thread = threading.Thread(target=self._run, name="keepalive-output-recv",
+                                        daemon=True)
+
+    def start(self) -> None:
+        """Start the thread (once)."""
+        self._thread.start()
+
+    def expect(self, name: str) -> Future:
+        """Register the next step whose output the output rank will send."""
+        future: Future = Future()
+        with self._cond:
+            if self._failed is not None:
+                future.set_exception(self._failed)
+                return future
+            self._expected.append(_Expected(name, future))
+            self.max_pending = max(self.max_pending, len(self._expected))
+            self._cond.notify_all()
+        return future
+
+    @property
+    def pending(self) -> int:
+        """Steps whose output has not arrived."""
+        return len(self._expected)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every expected future, and every later one."""
+        with self._cond:
+            self._failed = error
+            pending = list(self._expected)
+            self._expected.clear()
+            self._cond.notify_all()
+        for e in pending:
+            _settle(e.future, error=error)
+
+    def stop(self) -> None:
+        """End the thread once it is not receiving (shutdown)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._expected and not self._stopping and self._failed is None:
+                    self._cond.wait()
+                if self._stopping or self._failed is not None:
+                    return
+                name = self._expected[0].name
+            try:
+                reply = self._link.recv()
+            except Exception as e:  # noqa: BLE001 - a lost peer or a timeout: fatal
+                if not self._stopping and self._failed is None:
+                    self._on_lost(f"the output of {name} from rank {self._link.src} (the "
+                                  f"last pipeline stage) did not arrive: {e}")
+                return
+            with self._cond:
+                if not self._expected:
+                    continue  # failed meanwhile
+                expected = self._expected.popleft()
+            if reply.ok:
+                _settle(expected.future, value=reply.value)
+            else:
+                from keepalive_executor.rpc import WorkerRpcError
+
+                _settle(expected.future, error=WorkerRpcError(expected.name, reply))
+
+
+def _settle(future: Future, value: Any = None, error: BaseException | None = None) -> None:
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    except InvalidStateError:
+        pass
