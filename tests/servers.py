@@ -41,6 +41,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def failure_excerpt(text: str, tail: int = 6000) -> str:
+    """What a failed start-up printed: the first error lines (the root cause, often far above
+    the end of a long log) and then the log's tail."""
+    lines = text.splitlines()
+    first = [ln for ln in lines if "Error" in ln or "error" in ln or "Traceback" in ln][:40]
+    return "first error lines:\n" + "\n".join(first) + "\n...\nlog tail:\n" + text[-tail:]
+
+
 class Server:
     """`vllm serve` of the tiny model in its own process group, logs to a file."""
 
@@ -83,7 +91,8 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"server exited {self.proc.returncode}:\n{self.log()[-6000:]}")
+                raise AssertionError(
+                    f"server exited {self.proc.returncode}:\n{failure_excerpt(self.log())}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -91,7 +100,8 @@ class Server:
             except OSError:
                 pass
             time.sleep(0.5)
-        raise AssertionError(f"server not ready after {timeout}s:\n{self.log()[-6000:]}")
+        raise AssertionError(
+            f"server not ready after {timeout}s:\n{failure_excerpt(self.log())}")
 
     def health(self) -> int | None:
         import urllib.error
@@ -218,11 +228,13 @@ class TorchrunServer(Server):
         while time.monotonic() < deadline:
             for a in self.agents:
                 if a.poll() is not None:
-                    raise AssertionError(f"torchrun exited {a.returncode}:\n{self.logs()[-8000:]}")
+                    raise AssertionError(
+                        f"torchrun exited {a.returncode}:\n{failure_excerpt(self.logs())}")
             if self.health() == 200:
                 return
             time.sleep(0.5)
-        raise AssertionError(f"server not ready after {timeout}s:\n{self.logs()[-8000:]}")
+        raise AssertionError(
+            f"server not ready after {timeout}s:\n{failure_excerpt(self.logs())}")
 
     def tree(self) -> list[psutil.Process]:
         """Agents and all their descendants (ranks are children of an agent, each in its

@@ -35,7 +35,7 @@ SHUTDOWN_BOUND_S = 30.0  # SIGTERM/SIGINT -> server exited
 def fault_server(tiny_model: str, tmp_path: Path, name: str, *, timeout: str = "30",
                  extra_args: list[str] | None = None, extra_env: dict | None = None) -> Server:
     fault_dir = tmp_path / "faults"
-    fault_dir.mkdir(exist_ok=True)
+    fault_dir.mkdir(parents=True, exist_ok=True)
     env = {"KEEPALIVE_FAULT_DIR": str(fault_dir),
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     env.update(extra_env or {})
@@ -86,8 +86,7 @@ def test_worker_killed_while_idle(tiny_model, tmp_path):
         assert "worker rank 1" in server.log() and "died unexpectedly" in server.log()
     finally:
         server.stop()
-    time.sleep(10)
-    assert alive(tree) == []
+    assert left_after(tree, 10) == []
 
 
 def _stream_all(server: Server, n: int, results: dict) -> list[threading.Thread]:
@@ -132,8 +131,7 @@ def test_worker_killed_with_8_streams_in_flight(tiny_model, tmp_path):
         assert "worker rank 1" in server.log()
     finally:
         server.stop()
-    time.sleep(10)
-    assert alive(tree) == []
+    assert left_after(tree, 10) == []
 
 
 @pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
@@ -153,8 +151,9 @@ def test_engine_process_killed_workers_exit(tiny_model, tmp_path, busy):
         server.stop()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_api_server_signal_graceful_shutdown(tiny_model, tmp_path, sig):
+def test_api_server_sigterm_graceful_shutdown(tiny_model, tmp_path):
+    """SIGTERM, as an orchestrator stops a server (uvicorn handles SIGINT the same way)."""
+    sig = signal.SIGTERM
     shm_before = set(os.listdir("/dev/shm"))
     # vLLM's default --shutdown-timeout 0 SIGKILLs the engine and its children at once (for
     # mp too), which leaves the CPU all-reduce's /dev/shm segments behind; a graceful
@@ -198,34 +197,54 @@ def test_worker_raises_inside_a_step(tiny_model, tmp_path):
         assert "injected step failure on rank 1" in log and "worker rank 1" in log
     finally:
         server.stop()
-    time.sleep(5)
-    assert alive(tree) == []
+    assert left_after(tree, 10) == []
 
 
 STALL_TIMEOUT = "6"
 STALL_S = "15"  # 2.5 times the collective timeout, in the engine loop, outside any step
 
 
-@pytest.mark.parametrize("pacer", [True, False], ids=["keepalive", "negative-control"])
-def test_engine_loop_stall_outside_a_step(tiny_model, tmp_path, pacer):
-    env = {} if pacer else {"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"}
-    server = fault_server(tiny_model, tmp_path, f"stall-{pacer}", timeout=STALL_TIMEOUT,
-                          extra_args=["--scheduler-cls", "fault_injection.StallingScheduler"],
-                          extra_env=env)
+def test_engine_loop_stall_outside_a_step_survives_and_negative_control_fails(tiny_model,
+                                                                              tmp_path):
+    """The engine loop stalls 2.5 collective timeouts outside any step (a slow scheduler):
+    with the pacer the next request gets its answer; without it (negative control, the same
+    scenario side by side) the workers' wait times out and the request fails."""
+    args = ["--scheduler-cls", "fault_injection.StallingScheduler"]
+    servers = {}
     try:
-        if pacer:
-            first = one_request(server)
+        # one after the other: a cold start beside another can starve a rank past the short
+        # timeout inside vLLM's own start-up collectives, which is not the subject here
+        for pacer in (True, False):
+            env = {} if pacer else {"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"}
+            servers[pacer] = fault_server(tiny_model, tmp_path / f"stall-{pacer}",
+                                          f"stall-{pacer}", timeout=STALL_TIMEOUT,
+                                          extra_args=args, extra_env=env)
+        keep, control = servers[True], servers[False]
+        first = one_request(keep)
+        # (no warm-up request on the control: without the pacer its worker may time out first)
+        for server in (keep, control):
             (server.fault_dir / "stall_schedule").write_text(STALL_S)
-            assert one_request(server) == first  # arrives after the stall, same answer
-            assert server.health() == 200
-        else:
-            # (no warm-up request: without the pacer the worker may time out before it)
-            (server.fault_dir / "stall_schedule").write_text(STALL_S)
-            with pytest.raises(Exception):  # noqa: B017
-                one_request(server)
-            assert "Timed out" in server.log()
+        answers: dict = {}
+
+        def ask(name: str, server: Server) -> None:
+            try:
+                answers[name] = one_request(server)
+            except Exception as e:  # noqa: BLE001 - the control's expected outcome
+                answers[name] = e
+
+        threads = [threading.Thread(target=ask, args=item) for item in
+                   (("keepalive", keep), ("control", control))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert answers["keepalive"] == first  # arrived after the stall, same answer
+        assert keep.health() == 200
+        assert isinstance(answers["control"], Exception), answers
+        assert "Timed out" in control.log()
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
 
 
 def test_a_step_past_the_execute_timeout_fails_the_executor_clearly(tiny_model, tmp_path):

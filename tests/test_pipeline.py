@@ -22,13 +22,14 @@ IDLE_S = 16.0  # more than three times the timeout
 MP_PP_ARGS = ["--no-enforce-eager", "--compilation-config", '{"mode": 2, "backend": "eager"}']
 
 
-def _start(tiny_model, tmp_path, backend, extra_args, extra_env=None) -> Server:
+def _start(tiny_model, tmp_path, backend, extra_args, extra_env=None, name=None) -> Server:
     # mp gets vLLM's default collective timeout: its workers' rendezvous waits at most that
     # long, and a cold start beside another server takes more than 5 s here
     timeout = ["--distributed-timeout-seconds", TIMEOUT] if backend == "keepalive" else []
-    faults = tmp_path / f"faults-{backend}"
+    name = name or backend
+    faults = tmp_path / f"faults-{name}"
     faults.mkdir(exist_ok=True)
-    server = Server(tiny_model, tmp_path / f"pp-{backend}.log", tp=1, pp=2, backend=backend,
+    server = Server(tiny_model, tmp_path / f"pp-{name}.log", tp=1, pp=2, backend=backend,
                     extra_args=["--dtype", "float32", "--worker-cls",
                                 "fault_injection.FaultyCPUWorker", *timeout, *extra_args],
                     extra_env={"KEEPALIVE_FAULT_DIR": str(faults), "PYTHONPATH": PYTHONPATH,
@@ -39,6 +40,8 @@ def _start(tiny_model, tmp_path, backend, extra_args, extra_env=None) -> Server:
 
 def test_pp_serve_answers_like_mp_survives_idle_and_fails_fast_when_the_last_stage_dies(
         tiny_model, tmp_path):
+    """Also the negative control: a second keepalive server with the pacer disabled by the
+    test-only switch idles side by side with the first, and its pipeline dies."""
     servers = {"keepalive": _start(tiny_model, tmp_path, "keepalive", []),
                "mp": _start(tiny_model, tmp_path, "mp", MP_PP_ARGS)}
     threads = [threading.Thread(target=s.wait_ready) for s in servers.values()]
@@ -55,9 +58,25 @@ def test_pp_serve_answers_like_mp_survives_idle_and_fails_fast_when_the_last_sta
         assert answers["keepalive"]["stream_chunks"] > 1
         tree = ka.tree()
         assert by_title(ka, "KeepaliveWorker_PP1_TP0"), [p.name() for p in tree]
+        control = servers["control"] = _start(
+            tiny_model, tmp_path, "keepalive", [], name="control",
+            extra_env={"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"})
+        try:
+            control.wait_ready()
+        except AssertionError:
+            pass  # without the pacer the idle ranks may time out during start-up already
+        tree += control.tree()
         time.sleep(IDLE_S)
         assert ka.health() == 200
         assert texts(ask(ka.client())) == texts(answers["keepalive"])
+        control_failed = control.proc.poll() is not None or control.health() != 200
+        if not control_failed:
+            try:
+                ask(control.client())
+            except Exception:  # noqa: BLE001 - any failure of the request is the outcome
+                control_failed = True
+        assert control_failed and "Timed out" in control.log()
+        control.stop()
         # the last stage (vLLM's output rank) dies inside a step while 8 streams run: rank 0
         # SIGKILLs it at its next execute_model (fault_injection's kill_pid)
         [last] = by_title(ka, "KeepaliveWorker_PP1_TP0")
@@ -78,27 +97,4 @@ def test_pp_serve_answers_like_mp_survives_idle_and_fails_fast_when_the_last_sta
     finally:
         for s in servers.values():
             s.stop()
-    assert left_after(tree, 10) == []
-
-
-def test_pp_negative_control_without_keepalive_idle_kills_the_pipeline(tiny_model, tmp_path):
-    server = _start(tiny_model, tmp_path, "keepalive", [],
-                    extra_env={"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"})
-    try:
-        try:
-            server.wait_ready()
-        except AssertionError:
-            pass  # without the pacer the idle ranks may time out during start-up already
-        tree = server.tree()
-        time.sleep(IDLE_S)
-        failed = server.proc.poll() is not None or server.health() != 200
-        if not failed:
-            try:
-                ask(server.client())
-            except Exception:  # noqa: BLE001 - any failure of the request is the outcome
-                failed = True
-        assert failed
-        assert "Timed out" in server.log()
-    finally:
-        server.stop()
     assert left_after(tree, 10) == []

@@ -7,7 +7,7 @@ from procs import alive
 from servers import Server
 
 TIMEOUT = "5"  # --distributed-timeout-seconds: the device group's timeout (default transport)
-IDLE_S = 30.0  # six times the timeout
+IDLE_S = 20.0  # four times the timeout
 
 
 def texts(answers: dict) -> dict:
@@ -35,52 +35,47 @@ def ask(client):
 
 
 @pytest.mark.slow
-def test_serve_answers_survives_idle_and_shuts_down_clean(tiny_model, tmp_path):
-    server = Server(tiny_model, tmp_path / "serve.log",
-                    extra_args=["--distributed-timeout-seconds", TIMEOUT])
+def test_serve_answers_survives_idle_and_shuts_down_clean_negative_control_dies(tiny_model,
+                                                                                 tmp_path):
+    """Two servers side by side, idle for the same four collective timeouts: keepalive's answers
+    stay the same and it shuts down clean; the negative control (pacer disabled by the
+    test-only switch, everything else equal) must fail."""
+    args = ["--distributed-timeout-seconds", TIMEOUT]
+    # One after the other: a cold start beside another can starve a rank past the 5 s
+    # timeout inside vLLM's own start-up collectives (docs/usage.md), which is not the subject.
+    server = Server(tiny_model, tmp_path / "serve.log", extra_args=args)
+    control = None
     try:
         server.wait_ready()
+        control = Server(tiny_model, tmp_path / "serve-nopacer.log", extra_args=args,
+                         extra_env={"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"})
+        control.wait_ready()
         client = server.client()
         before = ask(client)
         assert before["stream_chunks"] > 1 and before["completion"] and before["chat"]
-        tree = server.tree()
-        time.sleep(IDLE_S)
-        assert server.health() == 200
-        after = ask(client)
-        assert texts(after) == texts(before)
-        log = server.log()
-        assert "keepalive executor: transport=device, interval=1.25s" in log
-    finally:
-        code = server.stop()
-    assert code == 0, server.log()[-3000:]
-    assert alive(tree) == []
-
-
-@pytest.mark.slow
-def test_negative_control_without_keepalive_idle_kills_the_server(tiny_model, tmp_path):
-    """Same serve, same idle, pacer disabled by the test-only switch: it must fail."""
-    server = Server(tiny_model, tmp_path / "serve-nopacer.log",
-                    extra_args=["--distributed-timeout-seconds", TIMEOUT],
-                    extra_env={"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"})
-    try:
-        server.wait_ready()
-        client = server.client()
-        tree = server.tree()
+        tree, control_tree = server.tree(), control.tree()
         try:
             # Without the pacer the worker's wait has been running since start-up, so on a
             # slow machine even this first request may already find it dead: also a failure
             # of the same scenario.
-            ask(client)
+            ask(control.client())
         except Exception:  # noqa: BLE001
             pass
         time.sleep(IDLE_S)
+        assert server.health() == 200
+        after = ask(client)
+        assert texts(after) == texts(before)
+        assert "keepalive executor: transport=device, interval=1.25s" in server.log()
         failed = False
         try:
-            ask(client)
+            ask(control.client())
         except Exception:  # noqa: BLE001 - any failure of the request is the expected outcome
             failed = True
-        assert failed or server.health() != 200 or server.proc.poll() is not None
-        assert "worker rank 1" in server.log()
+        assert failed or control.health() != 200 or control.proc.poll() is not None
+        assert "worker rank 1" in control.log()
     finally:
-        server.stop()
-    assert alive(tree) == []
+        code = server.stop()
+        if control is not None:
+            control.stop()
+    assert code == 0, server.log()[-3000:]
+    assert alive(tree) == [] and alive(control_tree) == []

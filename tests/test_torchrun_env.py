@@ -71,14 +71,19 @@ def test_backend_flag_is_added_kept_or_refused():
 
 
 class _Parallel:
-    def __init__(self, tp):
-        self.world_size = self.tensor_parallel_size = tp
+    def __init__(self, tp, pp=1):
+        self.tensor_parallel_size = tp
+        self.pipeline_parallel_size = pp
+        self.world_size = tp * pp
 
 
-def test_world_size_must_equal_tp():
+def test_world_size_must_equal_tp_times_pp():
     check_world_size(_Parallel(2), GOOD)
-    with pytest.raises(KeepaliveConfigError, match="WORLD_SIZE=2 ranks but .* needs 4.*-tp 2"):
-        check_world_size(_Parallel(4), GOOD)
+    check_world_size(_Parallel(1, 2), GOOD)
+    with pytest.raises(KeepaliveConfigError,
+                       match=r"WORLD_SIZE=2 ranks but .* needs 4 \(--tensor-parallel-size=2 x "
+                             r"--pipeline-parallel-size=2\); pass -tp and -pp whose product is 2"):
+        check_world_size(_Parallel(2, 2), GOOD)
 
 
 def test_mode_marker():
