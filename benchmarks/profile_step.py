@@ -2,7 +2,13 @@
 sample_tokens per step for keepalive and mp (TP=2), and for keepalive the broadcast alone.
 The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so its executor can be timed.
 
-    python benchmarks/profile_step.py keepalive|mp
+    python benchmarks/profile_step.py keepalive|mp          # TP=2
+    python benchmarks/profile_step.py keepalive|mp --pp 2   # TP=1 x PP=2
+
+With ``--pp 2`` both executors run with ``-O.mode=2`` and the eager backend (vLLM 0.32's mp
+cannot run PP in eager mode on CPU), and the engine keeps two batches in flight: the calls
+return futures, so the wait shows where the time goes (for keepalive also the output link's
+receive, on its own thread, and rank 0's own share of a step on the driver thread).
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ def timed(cls: type, name: str, label: str) -> None:
 
 def main() -> None:
     backend = sys.argv[1]
+    pp = int(sys.argv[sys.argv.index("--pp") + 1]) if "--pp" in sys.argv else 1
+    import concurrent.futures
+
     from vllm import LLM, SamplingParams
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -43,9 +52,15 @@ def main() -> None:
 
     if backend == "keepalive":
         from keepalive_executor.channel import BroadcastChannel
+        from keepalive_executor.driver import DriverRank
         from keepalive_executor.executor import KeepaliveExecutor as Cls
+        from keepalive_executor.outputs import OutputLink
 
         timed(BroadcastChannel, "send", "broadcast (channel.send)")
+        timed(DriverRank, "run", "rank 0's part (DriverRank.run)")
+        if pp > 1:
+            timed(OutputLink, "recv", "output link recv (own thread)")
+            timed(concurrent.futures.Future, "result", "future.result (wait)")
     else:
         from vllm.v1.executor.multiproc_executor import FutureWrapper
         from vllm.v1.executor.multiproc_executor import MultiprocExecutor as Cls
@@ -53,8 +68,11 @@ def main() -> None:
         timed(FutureWrapper, "result", "future.result (wait)")
     timed(Cls, "execute_model", "execute_model")
     timed(Cls, "sample_tokens", "sample_tokens")
-    llm = LLM(str(build_tiny_model()), tensor_parallel_size=2, distributed_executor_backend=backend,
-              enforce_eager=True, max_model_len=256, max_num_seqs=8, gpu_memory_utilization=0.2)
+    layout = (dict(tensor_parallel_size=1, pipeline_parallel_size=pp, enforce_eager=False,
+                   compilation_config={"mode": 2, "backend": "eager"}, dtype="float32")
+              if pp > 1 else dict(tensor_parallel_size=2, enforce_eager=True))
+    llm = LLM(str(build_tiny_model()), distributed_executor_backend=backend, max_model_len=256,
+              max_num_seqs=8, gpu_memory_utilization=0.2, **layout)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     prompts = ["Hello, my name is"] * 8
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
@@ -63,7 +81,7 @@ def main() -> None:
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     steps = len(TIMES["execute_model"])
-    print(f"backend={backend} steps={steps} wall={wall * 1e3:.1f} ms "
+    print(f"backend={backend} pp={pp} steps={steps} wall={wall * 1e3:.1f} ms "
           f"({wall / steps * 1e3:.2f} ms/step, 8 sequences x 64 tokens)")
     for label, xs in TIMES.items():
         # execute_model(non_block=True) returns a future; mp's work shows up in the wait,
