@@ -14,8 +14,10 @@ abruptly leaves vLLM's synchronous client waiting forever (it fails pending call
 engine says it is dead), and the user's process is not the executor's to end. The given-up
 thread stays blocked (a daemon) until the process exits.
 
-The hand-over costs one thread switch per call, about 60 us on the 2-core machine here;
-a decode step makes one call (see :mod:`keepalive_executor.steps`).
+A step is one hand-over: its broadcast, rank 0's part and its reply gather all run on this
+thread (see :mod:`keepalive_executor.steps`), so the engine thread only ever waits on a
+Future that a give-up can fail. The hand-over costs one thread switch per step, about 60 us
+on the 2-core machine here.
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ class DriverRank:
     # ------------------------------------------------------------------ running calls
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` on the driver's thread; return or raise its outcome."""
+        return self.run_within(None, fn, *args, **kwargs)
+
+    def run_within(self, timeout_s: float | None, fn: Callable[..., Any], *args: Any,
+                   **kwargs: Any) -> Any:
+        """:meth:`run`, waiting at most ``timeout_s`` (``TimeoutError`` after it: the call
+        may still run later, behind the one the thread is stuck in)."""
         future: Future = Future()
         with self._lock:
             if self._abandoned is not None:
@@ -82,20 +90,18 @@ class DriverRank:
             self._pending.add(future)
         self._queue.put((fn, args, kwargs, future))
         try:
-            return future.result()
+            return future.result(timeout_s)
         finally:
             with self._lock:
                 self._pending.discard(future)
 
-    def call(self, method: str | Callable[..., Any], args: tuple = (),
-             kwargs: dict | None = None) -> Any:
-        """Run a worker method (a name, or a callable taking the worker first) on rank 0."""
-        return self.run(self._call, method, args, kwargs or {})
-
-    def _call(self, method: str | Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def invoke(self, method: str | Callable[..., Any], args: tuple = (),
+               kwargs: dict | None = None) -> Any:
+        """Run a worker method on rank 0's worker *in the calling thread*: for work that is
+        already on the driver's thread (a step, see steps.py)."""
         from vllm.v1.serial_utils import run_method
 
-        return resolve_output(run_method(self.worker, method, args, kwargs))
+        return resolve_output(run_method(self.worker, method, args, kwargs or {}))
 
     def abandon(self, error: BaseException) -> bool:
         """Fail the call waiting on the driver's thread and every later one with ``error``."""
@@ -180,10 +186,11 @@ class DriverRank:
         wrapper.init_device()  # joins the process groups with every other rank
         return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
 
-    def shutdown_worker(self) -> None:
-        """vLLM's worker shutdown (best effort)."""
+    def shutdown_worker(self, timeout_s: float) -> None:
+        """vLLM's worker shutdown (best effort; at most ``timeout_s``: the thread may be
+        stuck in a step that was interrupted or given up)."""
         if self.worker is not None and getattr(self.worker, "worker", None) is not None:
             try:
-                self.run(self.worker.shutdown)
+                self.run_within(timeout_s, self.worker.shutdown)
             except Exception:  # noqa: BLE001
                 logger.debug("driver worker shutdown failed", exc_info=True)

@@ -75,8 +75,10 @@ _TEST_DISABLE_PACER_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER"
 #: Test-only: pass on rank 0's KV connector output alone (what the executor did before), so a
 #: test can show what merging every rank's output changes. Not an option.
 _TEST_NO_CONNECTOR_MERGE_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_CONNECTOR_MERGE"
-#: How long shutdown waits for the channel (a step finishing, the SHUTDOWN broadcast).
+#: How long shutdown waits for the channel (a step finishing, the SHUTDOWN broadcast), and
+#: for each of rank 0's own clean-up calls.
 SHUTDOWN_SEND_S = 5.0
+STARTUP_TIMEOUT_SOURCE = "VLLM_KEEPALIVE_STARTUP_TIMEOUT_S"
 
 
 def _load_model(worker: Any) -> None:
@@ -153,26 +155,41 @@ class KeepaliveExecutor(Executor):
         self._finalizer = weakref.finalize(self, lambda: None)
 
     def _start(self, ranks: Ranks, settings: KeepaliveSettings) -> None:
-        ranks.start(self.vllm_config, settings)
+        self._watch = self._make_watch(settings)
+        self._watch.start()
         driver = DriverRank()
         self._driver = driver
-        driver.create(
-            self.vllm_config,
-            local_rank=ranks.local_rank,
-            distributed_init_method=ranks.init_method,
-            shared_worker_lock=ranks.shared_worker_lock,
-            before_init_device=ranks.before_init_device,
-        )
-        channel, reply_group = driver.run(open_world_channel, settings.channel)
-        link = driver.run(open_output_link, self.parallel_config,
-                          settings.channel.output_timeout_s)
+        ranks.start(self.vllm_config, settings)
+        ranks.watch(self._fail)
+        # Start-up is a step of its own for the failure model: a rank lost while rank 0 waits
+        # in the rendezvous fails it within the failure grace (the watch gives the wait up),
+        # and a rendezvous that never completes fails it at the start-up timeout.
+        self._life.enter("start-up (joining the process groups)", settings.startup_timeout_s,
+                         STARTUP_TIMEOUT_SOURCE)
+        try:
+            driver.create(
+                self.vllm_config,
+                local_rank=ranks.local_rank,
+                distributed_init_method=ranks.init_method,
+                shared_worker_lock=ranks.shared_worker_lock,
+                before_init_device=ranks.before_init_device,
+            )
+            channel, reply_group = driver.run(open_world_channel, settings.channel)
+            link = driver.run(open_output_link, self.parallel_config,
+                              settings.channel.output_timeout_s)
+            ranks.wait_ready()
+        finally:
+            self._life.exit()
+        self._life.check_usable()
         if link is not None:
             self._outputs = OutputReceiver(link, on_lost=self._fail)
-        ranks.wait_ready()
         gather = partial(_gather, group=reply_group, world_size=self.world_size)
         self._assemble(settings, channel, driver, gather)
-        ranks.watch(self._fail)
         self.collective_rpc(_load_model)
+
+    def _make_watch(self, settings: KeepaliveSettings) -> StepWatch:
+        return StepWatch(self._life, settings.failure_grace_s, self._on_step_timeout,
+                         self._give_up)
 
     def _assemble(self, settings: KeepaliveSettings, channel: Any, driver: Any,
                   gather: Callable[[RpcReply, float | None], list[RpcReply]],
@@ -190,13 +207,12 @@ class KeepaliveExecutor(Executor):
         self._steps = StepRunner(
             channel=channel, pacer=self._pacer, driver=driver, lifecycle=self._life,
             gather=gather, fail=self._fail, execute_timeout_s=settings.execute_timeout_s,
-            merge=self._merge_connector_outputs,
+            error_window_s=settings.failure_grace_s, merge=self._merge_connector_outputs,
         )
-        self._watch = StepWatch(self._life, settings.failure_grace_s, self._on_step_timeout,
-                                self._give_up)
+        if self._watch is None:
+            self._watch = self._make_watch(settings)
         if not threads:
             return
-        self._watch.start()
         if self._outputs is not None:
             self._outputs.start()
         if os.environ.get(_TEST_DISABLE_PACER_ENV) == "1":
@@ -302,7 +318,7 @@ class KeepaliveExecutor(Executor):
     def _model_step(self, method: str, *args: Any, replies: Replies | None = None) -> Any:
         assert self._steps is not None, "keepalive executor is not started"
         replies = self._step_replies() if replies is None else replies
-        return self._steps.call(RpcRequest(method, args, {}, replies), model_step=True)
+        return self._steps.model_step(RpcRequest(method, args, {}, replies))
 
     def execute_model(  # type: ignore[override]
         self, scheduler_output: Any, non_block: bool = False
@@ -331,7 +347,7 @@ class KeepaliveExecutor(Executor):
                                                         Replies.OUTPUT))
             return future if non_block else future.result()
         if self._steps.sample_pending:
-            call = partial(self._steps.finish_fused, grammar_output)
+            call = partial(self._steps.take_sampled, grammar_output)
         else:
             call = partial(self._model_step, "sample_tokens", grammar_output)
         return _as_future(call) if non_block else call()
@@ -406,18 +422,19 @@ class KeepaliveExecutor(Executor):
             self._outputs.fail_all(ExecutorFailedError("keepalive executor is shut down"))
             self._outputs.stop()
         channel, steps = self._channel, self._steps
-        if steps is not None:
-            steps.release_pending()
         if not failed and channel is not None and steps is not None and not channel.closed:
             steps.send_shutdown(channel.send_shutdown, SHUTDOWN_SEND_S)
         codes = self._ranks.stop(failed=failed) if self._ranks is not None else {}
         if self._driver is not None:
-            self._driver.shutdown_worker()
+            # Bounded: after a failure rank 0's thread may be stuck in a step that was
+            # interrupted or given up; its clean-up is then best effort, within the grace.
+            bound = self.settings.failure_grace_s if failed else SHUTDOWN_SEND_S
+            self._driver.shutdown_worker(bound)
             try:
-                self._driver.run(_destroy_groups)
+                self._driver.run_within(bound, _destroy_groups)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 logger.debug("destroying the process groups failed", exc_info=True)
-            self._driver.close()
+            self._driver.close(timeout=1.0)
         if self._watch is not None:
             self._watch.join(1.0)
         init_method = getattr(self._ranks, "init_method", "")

@@ -227,7 +227,8 @@ class StepWatch:
 
     ``on_timeout(step)`` is called (outside the lock) when a step passes its deadline;
     ``on_give_up(failure, step)`` once, when a step outlives the failure grace. The thread
-    ends after a give-up or when the lifecycle is stopped; the executor owns it.
+    ends after a give-up or when the lifecycle is stopped; the executor owns it. Tests drive
+    the same decisions without the thread through :meth:`check`, on the lifecycle's clock.
     """
 
     def __init__(
@@ -241,6 +242,8 @@ class StepWatch:
         self._grace_s = grace_s
         self._on_timeout = on_timeout
         self._on_give_up = on_give_up
+        self._timed_out: StepInProgress | None = None  # reported: wait for the failure
+        self._gave_up = False
         self._thread = threading.Thread(target=self._run, name="keepalive-step-watch",
                                         daemon=True)
 
@@ -253,28 +256,44 @@ class StepWatch:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
+    def check(self) -> WatchAction:
+        """One decision at the lifecycle's clock, and its action; returns the action."""
+        with self._life.cond:
+            action, _, step, failure = self._decide()
+        self._act(action, step, failure)
+        return action
+
+    def _decide(self) -> tuple[WatchAction, float | None, StepInProgress | None,
+                               Failure | None]:
+        life = self._life
+        if self._gave_up:
+            return WatchAction.NONE, None, None, None
+        action, wake = decide(life.clock(), life.state, life.step, life.failure,
+                              self._grace_s)
+        if action is WatchAction.TIMEOUT and life.step is self._timed_out:
+            action = WatchAction.NONE  # already reported: wait for the failure
+        return action, wake, life.step, life.failure
+
+    def _act(self, action: WatchAction, step: StepInProgress | None,
+             failure: Failure | None) -> None:
+        if action is WatchAction.TIMEOUT:
+            assert step is not None
+            self._timed_out = step
+            self._on_timeout(step)
+        elif action is WatchAction.GIVE_UP:
+            assert step is not None and failure is not None
+            self._gave_up = True
+            self._on_give_up(failure, step)
+
     def _run(self) -> None:
         life = self._life
-        timed_out: StepInProgress | None = None
         while True:
             with life.cond:
-                while True:
-                    if life.state is ExecutorState.STOPPED:
-                        return
+                if life.state is ExecutorState.STOPPED or self._gave_up:
+                    return
+                action, wake, step, failure = self._decide()
+                if action is WatchAction.NONE:
                     now = life.clock()
-                    action, wake = decide(now, life.state, life.step, life.failure,
-                                          self._grace_s)
-                    if action is WatchAction.TIMEOUT and life.step is timed_out:
-                        action = WatchAction.NONE  # already reported: wait for the failure
-                    if action is not WatchAction.NONE:
-                        break
                     life.cond.wait(None if wake is None else max(0.0, wake - now))
-                step, failure = life.step, life.failure
-            assert step is not None
-            if action is WatchAction.TIMEOUT:
-                timed_out = step
-                self._on_timeout(step)
-                continue
-            assert failure is not None
-            self._on_give_up(failure, step)
-            return
+                    continue
+            self._act(action, step, failure)

@@ -48,7 +48,9 @@ class Ranks(Protocol):
         """Block until every other rank has joined the groups and built its channel."""
 
     def watch(self, on_death: OnDeath) -> None:
-        """Start death detection; ``on_death(reason)`` for the first rank lost."""
+        """Death detection, called right after :meth:`start`: ``on_death(reason)`` for the
+        first rank lost, from as early as the implementation can tell (spawned ranks: at
+        once, so a rank that dies before the rendezvous fails start-up in about a second)."""
 
     def tell_error(self, message: str) -> None:
         """Rank 0 will not start: let the waiting ranks exit with ``message``."""

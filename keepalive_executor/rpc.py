@@ -9,7 +9,14 @@ A call is one :class:`RpcRequest`, encoded as an **envelope** and broadcast on t
     1       2     name_len     length of the call's name (utf-8)
     3       ...   name         e.g. "execute_model", or a callable's qualified name
     3+n     ...   body         pickle (cloudpickle for what pickle refuses) of
-                               (method, args, kwargs)
+                               (method, args, kwargs); a callable method travels as
+                               :class:`ByValue` bytes when it lives in ``__main__``
+
+A callable defined in the calling script or a notebook (module ``__main__``) would pickle
+by reference to a module the other ranks do not have; like vLLM's ``mp`` executor (which
+cloudpickles every callable), such a callable is cloudpickled *by value*. Callables from
+importable modules (every hot-path step) stay plain pickles by reference: same result,
+without cloudpickle's cost on every step.
 
 The name and the reply mode are readable without unpickling anything, so a rank that cannot
 decode the body (a class that exists only in the driver's process, say) still knows which
@@ -48,6 +55,7 @@ __all__ = [
     "RpcRequest",
     "RpcReply",
     "RequestDecodeError",
+    "ByValue",
     "RpcSerializationError",
     "WorkerRpcError",
     "encode_request",
@@ -105,6 +113,39 @@ def deserialize(data: bytes | memoryview) -> Any:
 
 
 @dataclass(frozen=True)
+class ByValue:
+    """A callable cloudpickled by value (its code travels, not a module reference)."""
+
+    blob: bytes
+
+    def load(self) -> Callable[..., Any]:
+        """The callable again (on the receiving rank)."""
+        return pickle.loads(self.blob)
+
+
+def _by_value(method: Callable[..., Any]) -> bool:
+    """Whether pickle would send ``method`` by reference to a module the other ranks cannot
+    import: the calling script's or a notebook's ``__main__`` (what cloudpickle itself
+    pickles by value)."""
+    module = getattr(method, "__module__", None)
+    return module == "__main__" or module is None
+
+
+def _method_for_wire(method: str | Callable[..., Any]) -> Any:
+    if isinstance(method, str) or not _by_value(method):
+        return method
+    import cloudpickle
+
+    try:
+        return ByValue(cloudpickle.dumps(method, protocol=5))
+    except Exception as e:  # noqa: BLE001 - the caller's error, nothing was sent
+        raise RpcSerializationError(
+            f"cannot serialize {getattr(method, '__qualname__', method)!r} by value for the "
+            f"broadcast channel: cloudpickle said {e!r}"
+        ) from e
+
+
+@dataclass(frozen=True)
 class RpcRequest:
     """One engine call: a worker method name or a callable taking the worker first."""
 
@@ -124,7 +165,7 @@ class RpcRequest:
 def encode_request(req: RpcRequest) -> bytes:
     """The envelope of ``req`` (raises RpcSerializationError if the body cannot be pickled)."""
     name = req.name.encode("utf-8", "replace")[:0xFFFF]
-    body = serialize((req.method, req.args, req.kwargs))
+    body = serialize((_method_for_wire(req.method), req.args, req.kwargs))
     return _ENVELOPE.pack(int(req.replies), len(name)) + name + body
 
 
@@ -152,6 +193,8 @@ def decode_request(data: bytes | memoryview) -> DecodedRequest:
         raise RequestDecodeError(f"unreadable call envelope: {e}") from e
     try:
         method, args, kwargs = deserialize(body)
+        if isinstance(method, ByValue):
+            method = method.load()
     except Exception as e:  # noqa: BLE001 - any unpickling error is this call's failure
         return DecodedRequest(replies, name, None, f"{type(e).__name__}: {e}")
     return DecodedRequest(replies, name, RpcRequest(method, tuple(args), kwargs or {}, replies))

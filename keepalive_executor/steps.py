@@ -1,35 +1,58 @@
 """One step on the channel: broadcast a call, run it on rank 0, gather replies if wanted.
 
 A *step* is every engine call that puts work on the channel. :class:`StepRunner` is the one
-place that knows what a step holds and in which order:
+place that knows what a step holds and in which order; one step's life reads top-down in
+:meth:`StepRunner.call` (and :meth:`StepRunner.call_output` for a pipeline step)::
+
+    engine thread (or a user's thread)         driver thread (keepalive-driver)
+    ----------------------------------         --------------------------------
+    encode the call (nothing held yet)
+    take the channel owner lock
+    enter the lifecycle step (refused once failed)
+    take the pacer's step token
+    hand the step to the driver thread  ---->  broadcast            (step.sent)
+    wait for its outcome (a Future that        rank 0's own part
+    a give-up can fail at any time)            reply gather, if any (step.settled)
+    <------------------------------------------ outcome
+    release token, lifecycle, lock (reverse order, by context managers)
 
 1. the **channel owner lock** (a re-entrant lock: whoever holds it owns the channel for a
-   whole step, so a ``collective_rpc`` from another thread never lands between the broadcast
-   of a step and rank 0's part of it);
+   whole step, so a ``collective_rpc`` from another thread never lands inside a step);
 2. the **lifecycle** entry (:class:`~keepalive_executor.lifecycle.Lifecycle`: refused once
    failed; records which step rank 0 is inside, with its deadline);
 3. the **pacer's step token** (no keepalive while it is held);
-4. the broadcast, rank 0's own part, and, for ``Replies.ALL``, the reply gather.
-
-They are released in the reverse order when the step ends, by context managers, never by a
-promise in a docstring.
+4. the broadcast, rank 0's own part and the reply gather all run on the driver's thread, in one
+   hand-over. The calling thread only ever waits on that hand-over's Future, so when the step
+   is given up (a rank failed and the step cannot finish, see
+   :mod:`keepalive_executor.lifecycle`), the caller is released at once, wherever rank 0 is
+   blocked: in its model, in the reply gather, or in the channel's wait for a free frame.
 
 The fused step. When a batch has no structured-output request vLLM's grammar output is
 ``None`` by construction (``Scheduler.get_grammar_bitmask``), so every rank runs
-``sample_tokens(None)`` right after ``execute_model``: the step costs one broadcast, and on
-rank 0 one hand-over to the driver's thread, which samples straight after its forward pass, so
-nothing can be broadcast between the two. ``execute_model`` returns rank 0's ``None`` as vLLM
-expects, and the engine's ``sample_tokens`` then returns the output already sampled. Until that
-call the step is **still held** (owner lock, lifecycle entry, pacer token are kept in an
-``ExitStack`` popped out of the ``execute_model`` call), as the engine's contract says it is
-one step.
+``sample_tokens(None)`` right after ``execute_model``: the step costs one broadcast, and rank
+0's driver thread samples straight after its forward pass, in the same hand-over, so nothing
+can be broadcast between the two. When the hand-over returns, every rank has finished the
+whole step: the step ends there, and the sampled output waits on the side for the engine's
+``sample_tokens``. Nothing is held across the engine's two calls, so an engine that never
+calls ``sample_tokens`` (an exception between the two, which vLLM's fault-tolerant engine may
+survive) leaves the ranks in step and the executor usable: the next step discards the
+unclaimed output, with a warning.
 
 Failure rules. A call that cannot be encoded or is too large fails before anything is sent:
-the caller gets the error and the executor stays usable. A broadcast that breaks, a gather
-that fails or times out, and an error raised on rank 0 inside a step *without* replies (the
-other ranks already received it and may be waiting in its collectives) fail the executor,
-naming the call and the error. An error inside a step *with* replies is reported after the
-gather, so the ranks stay in step and the executor stays usable.
+the caller gets the error and the executor stays usable. Once the broadcast is out, the other
+ranks are running the step; until every rank is known to be done with it (``settled``), any
+exception that leaves the step, ``BaseException`` included (a ``KeyboardInterrupt`` in the
+user's process), fails the executor naming the call and the error: the ranks may be out of
+step, and the next collective would pair with this one's. In detail:
+
+* a broadcast that breaks, a gather that fails or times out: fail;
+* rank 0 raises in a step without replies (a model step): fail (the others ran it);
+* rank 0 raises in a ``collective_rpc``: the other ranks get ``failure_grace_s`` to reach the
+  reply gather. If they all do, the ranks are in step: the caller gets rank 0's error and the
+  executor stays usable. If not (the method itself runs collectives that rank 0 never
+  entered, so the others wait in them), the executor fails naming the method and rank 0's
+  error, and the caller gets that error at once, not after the collective's own timeout;
+* another rank's error reply: the ranks are in step; the caller gets ``WorkerRpcError``.
 """
 
 from __future__ import annotations
@@ -37,10 +60,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from keepalive_executor.channel import ChannelError, PayloadTooLargeError
+from keepalive_executor.connectors import StepReply
 from keepalive_executor.driver import resolve_output
 from keepalive_executor.lifecycle import ExecutorFailedError, Lifecycle
 from keepalive_executor.log import get_logger
@@ -83,12 +108,43 @@ class Channel(Protocol):
 
 
 class Driver(Protocol):
-    """What a step needs of rank 0."""
+    """What a step needs of rank 0: a thread to hand work to, and the worker on it."""
 
-    def call(self, method: Any, args: tuple = (), kwargs: dict | None = None) -> Any: ...
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+
+    def invoke(self, method: Any, args: tuple = (), kwargs: dict | None = None) -> Any: ...
 
 
 Gather = Callable[[RpcReply, "float | None"], list[RpcReply]]
+
+
+class StepBroken(Exception):
+    """Raised inside a step: the ranks are out of step. ``reason`` is the executor's failure
+    reason; ``error`` what the caller gets."""
+
+    def __init__(self, reason: str, error: BaseException) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
+@dataclass
+class _Step:
+    """One step's progress, as the failure rules read it."""
+
+    name: str
+    sent: bool = False  # the broadcast is out: the other ranks run the step
+    settled: bool = False  # every rank is known to be done with it
+    keep_pacer: bool = False  # the pacer token outlives the call (a pipeline step)
+
+
+@dataclass
+class _Outcome:
+    """What rank 0's part of a step produced."""
+
+    value: Any = None
+    error: Exception | None = None  # rank 0's own error, in a step that stayed in step
+    replies: list[RpcReply] | None = None
 
 
 class StepRunner:
@@ -104,6 +160,7 @@ class StepRunner:
         gather: Gather,
         fail: Callable[[str], None],
         execute_timeout_s: float,
+        error_window_s: float,
         merge: Callable[[Any, list[Any]], Any] | None = None,
     ) -> None:
         self._channel = channel
@@ -113,15 +170,17 @@ class StepRunner:
         self._gather_fn = gather
         self._fail = fail
         self._execute_timeout_s = execute_timeout_s
+        self._error_window_s = error_window_s
         self._merge = merge
         self.owner = threading.RLock()
-        self._pending_sample: ExitStack | None = None
-        self._pending_output: Any = None
+        self._unclaimed: tuple[str, Any] | None = None  # (step, sampled output) of a fused step
 
-    # ------------------------------------------------------------------ building blocks
+    # ------------------------------------------------------------------ what a step holds
     @contextmanager
-    def _step(self, name: str, timeout_s: float | None, source: str) -> Iterator[None]:
+    def _step(self, name: str, timeout_s: float | None, source: str) -> Iterator[_Step]:
+        """Lifecycle entry and pacer token for one step, and the out-of-step rule."""
         self._life.enter(name, timeout_s, source)
+        step = _Step(name)
         try:
             try:
                 self._pacer.begin_step()
@@ -129,44 +188,128 @@ class StepRunner:
                 err = ExecutorFailedError(f"keepalive executor cannot begin {name}: {e}")
                 raise (self._life.error() or err) from e
             try:
-                yield
+                yield step
+            except StepBroken as broken:
+                self._fail(broken.reason)
+                raise self._first_failure(broken)  # noqa: B904 - its cause is already set
+            except BaseException as e:
+                if step.sent and not step.settled:
+                    self._fail(f"{name} was interrupted on rank 0 by {type(e).__name__}: {e} "
+                               "after the other ranks had received it; the ranks are out "
+                               "of step")
+                raise
             finally:
-                self._pacer.finish_step()
+                if not step.keep_pacer:
+                    self._pacer.finish_step()
         finally:
             self._life.exit()
 
-    def _refuse_while_sample_pending(self, name: str) -> None:
-        if self._pending_sample is not None:
-            raise RuntimeError(
-                f"keepalive executor: {name} called while a fused execute_model step still "
-                "awaits its sample_tokens (vLLM's engine calls sample_tokens right after "
-                "execute_model): call sample_tokens first"
-            )
+    def _first_failure(self, broken: StepBroken) -> BaseException:
+        """What the caller gets for a broken step: the step's own error, or, if the executor
+        had already failed for another reason (a rank died, which broke this gather), an
+        error that names that reason first."""
+        failure = self._life.failure
+        if (not isinstance(broken.error, ExecutorFailedError) or failure is None
+                or failure.reason == broken.reason):
+            return broken.error
+        return _failed_error(f"{failure.reason} (then: {broken.reason})",
+                             broken.error.__cause__ or broken.error)
 
-    def _send(self, name: str, data: bytes) -> None:
+    # ------------------------------------------------------------------ on the driver thread
+    def _send(self, step: _Step, data: bytes) -> None:
         try:
             self._channel.send(data)
         except PayloadTooLargeError:
             raise  # nothing was sent: the caller's error, the channel is in sync
         except ChannelError as e:
-            reason = f"broadcast of {name} failed: {e}"
-            self._fail(reason)
-            raise ExecutorFailedError(f"keepalive executor failed: {reason}") from e
+            reason = f"broadcast of {step.name} failed: {e}"
+            raise StepBroken(reason, _failed_error(reason, e)) from e
+        step.sent = True
         self._pacer.note_broadcast()
 
-    def _local_model_step(self, name: str, method: Any, args: tuple) -> Any:
-        """Rank 0's part of a step without replies: an error here leaves the other ranks
-        with a step rank 0 did not finish, so the executor fails."""
+    def _rank0_part(self, step: _Step, method: Any, req: RpcRequest) -> Any:
         try:
-            return self._driver.call(method, args, {})
+            return self._driver.invoke(method, req.args, req.kwargs)
         except ExecutorFailedError:
             raise
         except Exception as e:
-            self._fail(
-                f"{name} raised on rank 0 after the other ranks had received it "
-                f"({type(e).__name__}: {e}); the ranks are out of step"
-            )
+            raise StepBroken(
+                f"{step.name} raised on rank 0 after the other ranks had received it "
+                f"({type(e).__name__}: {e}); the ranks are out of step", e) from e
+
+    def _gather(self, step: _Step, mine: RpcReply, timeout_s: float | None) -> list[RpcReply]:
+        """The reply gather, within the step's deadline and ``timeout_s``."""
+        clock = self._life.clock
+        entered = self._life.step
+        deadline = None if entered is None else entered.deadline
+        window_end = None if timeout_s is None else clock() + timeout_s
+        end = min((t for t in (deadline, window_end) if t is not None), default=None)
+        try:
+            return self._gather_fn(mine, None if end is None else end - clock())
+        except Exception as e:
+            if end is not None and clock() >= end:
+                if end == window_end:
+                    raise  # the caller knows what this window was for
+                assert entered is not None
+                reason = (f"{step.name} timed out after {entered.timeout_s:g}s "
+                          f"({entered.timeout_source}) waiting for the other ranks' replies")
+                error = TimeoutError(f"{reason}; the executor is now failed (ranks are out "
+                                     "of step)")
+                error.__cause__ = e
+                raise StepBroken(reason, error) from e
+            reason = f"gathering replies to {step.name} failed: {e}"
+            raise StepBroken(reason, _failed_error(reason, e)) from e
+
+    def _run_step(self, step: _Step, req: RpcRequest, data: bytes, method: Any,
+                  expect: Callable[[str], Future] | None = None) -> _Outcome:
+        """Everything rank 0 does in a step, on the driver's thread, in order."""
+        self._send(step, data)
+        if req.replies is Replies.ALL:
+            return self._rank0_with_replies(step, req, method)
+        outcome = _Outcome()
+        if expect is not None:
+            # Registered right after the broadcast, under the owner lock: outputs arrive in
+            # broadcast order. From here the output's arrival ends the pacer token.
+            outcome.value = future = expect(step.name)
+            step.keep_pacer = True
+            future.add_done_callback(lambda _: self._pacer.finish_step())
+            self._rank0_part(step, method, req)  # stage 0's own result is not the step's
+        else:
+            outcome.value = self._rank0_part(step, method, req)
+        if req.replies is Replies.STEP:
+            outcome.replies = self._gather(step, RpcReply(rank=0, ok=True,
+                                                          value=StepReply(False)), None)
+        step.settled = True
+        return outcome
+
+    def _rank0_with_replies(self, step: _Step, req: RpcRequest, method: Any) -> _Outcome:
+        outcome = _Outcome()
+        try:
+            outcome.value = self._driver.invoke(method, req.args, req.kwargs)
+        except ExecutorFailedError:
             raise
+        except Exception as e:  # noqa: BLE001 - still owes the gather
+            outcome.error = e
+        mine = RpcReply(rank=0, ok=outcome.error is None, value=outcome.value,
+                        error="" if outcome.error is None
+                        else f"{type(outcome.error).__name__}: {outcome.error}")
+        if outcome.error is None:
+            outcome.replies = self._gather(step, mine, None)
+        else:
+            try:
+                outcome.replies = self._gather(step, mine, self._error_window_s)
+            except StepBroken:
+                raise
+            except Exception as e:
+                reason = (f"collective_rpc({step.name!r}) raised on rank 0 "
+                          f"({type(outcome.error).__name__}: {outcome.error}) and the other "
+                          f"ranks did not reply within {self._error_window_s:g}s "
+                          "(VLLM_KEEPALIVE_FAILURE_GRACE_S): they are still inside it, "
+                          "presumably in a collective rank 0 never entered; the ranks are "
+                          "out of step")
+                raise StepBroken(reason, outcome.error) from e
+        step.settled = True
+        return outcome
 
     # ------------------------------------------------------------------ engine calls
     def call(
@@ -177,155 +320,105 @@ class StepRunner:
         unique_reply_rank: int | None = None,
         local_method: Any = None,
         model_step: bool = False,
+        name: str | None = None,
     ) -> Any:
-        """A blocking step. ``Replies.DRIVER``: rank 0's result; ``Replies.ALL``: every
-        rank's result in rank order (or rank ``unique_reply_rank``'s alone)."""
+        """A blocking step (``name``: the engine call's, if not the request's).
+        ``Replies.DRIVER``: rank 0's result; ``Replies.STEP``: rank 0's result and every
+        rank's connector replies; ``Replies.ALL``: every rank's result in rank order (or
+        rank ``unique_reply_rank``'s alone)."""
+        outcome = self._call(req, timeout=timeout, local_method=local_method,
+                             model_step=model_step, name=name)
+        if req.replies is Replies.DRIVER:
+            return outcome.value
+        assert outcome.replies is not None
+        if req.replies is Replies.STEP:
+            return outcome.value, outcome.replies
+        if outcome.error is not None:
+            raise outcome.error
+        for r in outcome.replies[1:]:
+            if not r.ok:
+                raise WorkerRpcError(req.name, r)
+        values = [r.value for r in outcome.replies]
+        return values if unique_reply_rank is None else values[unique_reply_rank]
+
+    def _call(self, req: RpcRequest, *, timeout: float | None, local_method: Any,
+              model_step: bool, expect: Callable[[str], Future] | None = None,
+              name: str | None = None) -> _Outcome:
         data = encode_request(req)  # before anything is held or sent
         timeout_s, source = (
             (self._execute_timeout_s, EXECUTE_TIMEOUT_SOURCE) if model_step
             else (timeout, "the call's timeout")
         )
         method = local_method if local_method is not None else req.method
-        with self.owner:
-            self._refuse_while_sample_pending(req.name)
-            with self._step(req.name, timeout_s, source):
-                self._send(req.name, data)
-                if req.replies is Replies.DRIVER:
-                    return self._local_model_step(req.name, method, req.args)
-                if req.replies is Replies.STEP:
-                    value = self._local_model_step(req.name, method, req.args)
-                    return self._merged(req.name, value)
-                error: Exception | None = None
-                value: Any = None
-                try:
-                    value = self._driver.call(method, req.args, req.kwargs)
-                except ExecutorFailedError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - still owes the gather
-                    error = e
-                mine = RpcReply(rank=0, ok=error is None, value=value,
-                                error="" if error is None else f"{type(error).__name__}: {error}")
-                replies = self._gather(req.name, mine, timeout)
-        if error is not None:
-            raise error
-        for r in replies[1:]:
-            if not r.ok:
-                raise WorkerRpcError(req.name, r)
-        values = [r.value for r in replies]
-        return values if unique_reply_rank is None else values[unique_reply_rank]
-
-    def _gather(self, name: str, mine: RpcReply, timeout: float | None) -> list[RpcReply]:
-        step = self._life.step
-        deadline = None if step is None else step.deadline
-        clock = self._life.clock
-        try:
-            return self._gather_fn(mine, None if deadline is None else deadline - clock())
-        except Exception as e:
-            if step is not None and deadline is not None and clock() >= deadline:
-                reason = (f"{name} timed out after {step.timeout_s:g}s ({step.timeout_source}) "
-                          "waiting for the other ranks' replies")
-                self._fail(reason)
-                raise TimeoutError(
-                    f"{reason}; the executor is now failed (ranks are out of step)"
-                ) from e
-            reason = f"gathering replies to {name} failed: {e}"
-            self._fail(reason)
-            raise ExecutorFailedError(f"keepalive executor failed: {reason}") from e
-
-    def _merged(self, name: str, value: Any) -> Any:
-        """A ``Replies.STEP`` step: gather every rank's connector outputs, merge them."""
-        from keepalive_executor.connectors import step_reply
-
-        assert self._merge is not None, "Replies.STEP needs a merge function"
-        mine = RpcReply(rank=0, ok=True, value=step_reply(value))
-        replies = self._gather(name, mine, None)
-        return self._merge(value, [r.value for r in replies])
+        name = req.name if name is None else name
+        with self.owner, self._step(name, timeout_s, source) as step:
+            if model_step:  # the engine moved on; a user's collective_rpc leaves it
+                self._drop_unclaimed(name)
+            return self._driver.run(self._run_step, step, req, data, method, expect)
 
     def execute_fused(self, scheduler_output: Any, replies: Replies = Replies.DRIVER) -> Any:
         """``execute_model`` as a fused step (see the module docstring). Returns rank 0's
-        output; if that is None, the step stays held until :meth:`finish_fused`.
+        output; if that is None, the sampled output waits for :meth:`take_sampled`.
         ``replies``: DRIVER, or STEP while a connector's outputs must be merged."""
         req = RpcRequest(execute_and_sample, (scheduler_output,), {}, replies)
-        data = encode_request(req)
-        with ExitStack() as held:
-            held.enter_context(self.owner)
-            self._refuse_while_sample_pending("execute_model")
-            held.enter_context(
-                self._step("execute_model", self._execute_timeout_s, EXECUTE_TIMEOUT_SOURCE)
-            )
-            self._send("execute_model", data)
-            value, sampled = self._local_model_step("execute_model", execute_then_sample,
-                                                    (scheduler_output,))
-            if replies is Replies.STEP:  # the other ranks reply about the step's last output
-                if value is None:
-                    sampled = self._merged("execute_model", sampled)
-                else:
-                    value = self._merged("execute_model", value)
+        result = self.call(req, local_method=execute_then_sample, model_step=True,
+                           name="execute_model")
+        (value, sampled), step_replies = result if replies is Replies.STEP else (result, None)
+        if step_replies is not None:  # the other ranks reply about the step's last output
             if value is None:
-                self._pending_output = sampled
-                self._pending_sample = held.pop_all()  # still held: owner, lifecycle, pacer
-            return value
+                sampled = self._merged(sampled, step_replies)
+            else:
+                value = self._merged(value, step_replies)
+        if value is None:
+            self._unclaimed = ("execute_model", sampled)
+        return value
+
+    def model_step(self, req: RpcRequest) -> Any:
+        """A model step that is not fused (``Replies.DRIVER`` or ``Replies.STEP``)."""
+        result = self.call(req, model_step=True)
+        if req.replies is Replies.STEP:
+            value, step_replies = result
+            return self._merged(value, step_replies)
+        return result
+
+    def _merged(self, value: Any, replies: list[RpcReply]) -> Any:
+        assert self._merge is not None, "Replies.STEP needs a merge function"
+        return self._merge(value, [r.value for r in replies])
 
     @property
     def sample_pending(self) -> bool:
-        """Whether a fused step awaits rank 0's sampling."""
-        return self._pending_sample is not None
+        """Whether a fused step's sampled output awaits the engine's ``sample_tokens``."""
+        return self._unclaimed is not None
 
-    def finish_fused(self, grammar_output: Any) -> Any:
-        """The pending fused step's sampled output (rank 0 sampled right after its forward
-        pass); then the step ends."""
-        held, self._pending_sample = self._pending_sample, None
-        output, self._pending_output = self._pending_output, None
-        if held is None:
+    def take_sampled(self, grammar_output: Any) -> Any:
+        """The fused step's sampled output (rank 0 sampled right after its forward pass)."""
+        self._life.check_usable()
+        unclaimed, self._unclaimed = self._unclaimed, None
+        if unclaimed is None:
             raise RuntimeError("keepalive executor: no fused step awaits sample_tokens")
-        with held:
+        if grammar_output is not None:
+            self._fail("sample_tokens got a grammar output after a step without "
+                       "structured-output requests; the other ranks sampled without it")
             self._life.check_usable()
-            if grammar_output is not None:
-                self._fail("sample_tokens got a grammar output after a step without "
-                           "structured-output requests; the other ranks sampled without it")
-                self._life.check_usable()
-            return output
+        return unclaimed[1]
 
-    def release_pending(self) -> None:
-        """Shutdown: end a fused step whose sample_tokens never came (best effort: the
-        owner lock can only be released by the thread that holds it)."""
-        held, self._pending_sample = self._pending_sample, None
-        self._pending_output = None
-        if held is not None:
-            try:
-                held.close()
-            except RuntimeError:  # the owner lock belongs to another thread
-                logger.debug("pending fused step released from another thread")
+    def _drop_unclaimed(self, name: str) -> None:
+        if self._unclaimed is not None:
+            logger.warning(
+                "keepalive executor: %s began while the output sampled by the last fused "
+                "execute_model was never taken by sample_tokens (the engine moved on, e.g. "
+                "after an error between the two calls); that output is discarded. Every "
+                "rank finished that step: the ranks are in step.", name)
+            self._unclaimed = None
 
     def call_output(self, req: RpcRequest, expect: Callable[[str], Future],
                     local_method: Any = None) -> Future:
         """A pipeline step (``Replies.OUTPUT``): broadcast, run rank 0's stage, and return a
         Future of the output rank's result, which arrives later (outputs.py). The step stays
         on the pacer until then; rank 0's own result is not the step's."""
-        data = encode_request(req)
-        method = local_method if local_method is not None else req.method
-        with self.owner:
-            self._refuse_while_sample_pending(req.name)
-            self._life.enter(req.name, self._execute_timeout_s, EXECUTE_TIMEOUT_SOURCE)
-            try:
-                try:
-                    self._pacer.begin_step()
-                except PacerError as e:
-                    err = ExecutorFailedError(f"keepalive executor cannot begin {req.name}: {e}")
-                    raise (self._life.error() or err) from e
-                try:
-                    self._send(req.name, data)
-                except BaseException:
-                    self._pacer.finish_step()
-                    raise
-                # Registered after the broadcast, under the owner lock: expected outputs are
-                # in broadcast order, and the output rank's send waits for rank 0's receive.
-                future = expect(req.name)
-                future.add_done_callback(lambda _: self._pacer.finish_step())
-                self._local_model_step(req.name, method, req.args)
-            finally:
-                self._life.exit()
-        return future
+        outcome = self._call(req, timeout=None, local_method=local_method, model_step=True,
+                             expect=expect)
+        return outcome.value
 
     def send_shutdown(self, channel_shutdown: Callable[[], Any], timeout_s: float) -> bool:
         """Broadcast SHUTDOWN once no step holds the channel; bounded by ``timeout_s``."""
@@ -352,3 +445,9 @@ class StepRunner:
                            outcome[0] if outcome else f"still sending after {timeout_s:g}s")
             return False
         return True
+
+
+def _failed_error(reason: str, cause: BaseException) -> ExecutorFailedError:
+    err = ExecutorFailedError(f"keepalive executor failed: {reason}")
+    err.__cause__ = cause
+    return err

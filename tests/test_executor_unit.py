@@ -23,11 +23,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from keepalive_executor.channel import ChannelSpec, ChannelTransportError
 from keepalive_executor.config import KeepaliveSettings
+from keepalive_executor.driver import DriverRank
 from keepalive_executor.executor import KeepaliveExecutor
-from keepalive_executor.lifecycle import ExecutorFailedError, ExecutorState
+from keepalive_executor.lifecycle import ExecutorFailedError, ExecutorState, WatchAction
 from keepalive_executor.rpc import RpcReply, WorkerRpcError, decode_request
 
 INTERVAL = 1.0
+GRACE = 0.5
+STEP_TIMEOUT = 30.0
 WORLD = 3
 ORDER = {ExecutorState.RUNNING: 0, ExecutorState.FAILED: 1, ExecutorState.STOPPED: 2}
 
@@ -45,6 +48,7 @@ class Trace:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str]] = []
+        self.step_id = 0  # bumped by the model before each fused step
         self.open_steps = 0  # per the model: broadcast sent, rank 0's part not done
         self.violations: list[str] = []
         self.lock = threading.Lock()
@@ -98,65 +102,57 @@ class FakeChannel:
         self.closed = True
 
 
-class FakeDriver:
-    """Rank 0. ``fused_returns_none``: execute_model returns None (sampling pending)."""
+class FakeWorker:
+    """Rank 0's vLLM worker, run by the real DriverRank on its real thread. ``during_call``:
+    callables run inside the next call; ``raise_next``: what the next call raises."""
 
-    def __init__(self, trace: Trace, clock: Clock) -> None:
+    rank = 0
+
+    def __init__(self, trace: Trace) -> None:
         self.trace = trace
-        self.clock = clock
-        self.raise_next = False
-        self.during_call: list = []  # callables run inside the next local call
-        self.abandoned: BaseException | None = None
+        self.during_call: list = []
+        self.raise_next: BaseException | None = None
 
-    def call(self, method, args=(), kwargs=None):
-        name = method if isinstance(method, str) else method.__name__
+    def _enter(self, name: str) -> None:
         for fn in self.during_call:
             fn()
         self.during_call = []
-        if self.raise_next:
-            self.raise_next = False
+        if self.raise_next is not None:
+            error, self.raise_next = self.raise_next, None
             self.trace.add("local", name)
-            raise RuntimeError(f"injected on rank 0 in {name}")
-        if callable(method):
-            return method(self.worker, *args, **(kwargs or {}))
-        return getattr(self.worker, name)(*args)
+            raise error
 
-    @property
-    def worker(self):
-        """What rank 0's vLLM worker answers; records every call it gets."""
-        trace = self.trace
+    def execute_model(self, so):
+        self._enter("execute_model")
+        self.trace.add("local", "execute_model")
+        return None if so.fused_none else "model-output"
 
-        def execute_model(so):
-            trace.add("local", "execute_model")
-            return None if so.fused_none else "model-output"
+    def sample_tokens(self, grammar):
+        self.trace.add("local", "sample_tokens")
+        return f"sampled-{self.trace.step_id}"
 
-        def sample_tokens(grammar):
-            trace.add("local", "sample_tokens")
-            return "sampled"
+    def _other(self, name: str):
+        self._enter(name)
+        self.trace.add("local", name)
+        return f"{name}@0"
 
-        def other(name):
-            def fn(*a):
-                trace.add("local", name)
-                return f"{name}@0"
-            return fn
+    def execute_dummy_batch(self):
+        return self._other("execute_dummy_batch")
 
-        return SimpleNamespace(rank=0, execute_model=execute_model, sample_tokens=sample_tokens,
-                               execute_dummy_batch=other("execute_dummy_batch"),
-                               take_draft_token_ids=other("take_draft_token_ids"),
-                               check_health=other("check_health"))
+    def take_draft_token_ids(self):
+        return self._other("take_draft_token_ids")
 
-    def run(self, fn, *args, **kwargs):
-        return fn(*args, **kwargs)
+    def check_health(self):
+        return self._other("check_health")
 
-    def abandon(self, error):
-        self.abandoned = error
-        return True
-
-    def shutdown_worker(self):
+    def shutdown(self):
         pass
 
-    def close(self, timeout=5.0):
-        pass
+
+def make_driver(trace: Trace) -> DriverRank:
+    driver = DriverRank(name="keepalive-driver-under-test")
+    driver.worker = FakeWorker(trace)
+    return driver
 
 
 class FakeRanks:
@@ -170,6 +166,7 @@ class FakeRanks:
 
 
 def echo_rank(worker, x=0):
+    worker._enter("echo_rank")
     echo_rank.trace.add("local", "echo_rank")
     return (worker.rank, x)
 
@@ -195,11 +192,12 @@ def make_executor(trace: Trace, clock: Clock, gather):
                               pipeline_parallel_size=1),
                           scheduler_config=None, device_config=None, speculative_config=None,
                           observability_config=None)
-    channel, driver = FakeChannel(trace), FakeDriver(trace, clock)
+    channel, driver = FakeChannel(trace), make_driver(trace)
     UnitExecutor.fakes = dict(
         clock=clock, channel=channel, driver=driver, gather=gather,
         settings=KeepaliveSettings(channel=ChannelSpec(), interval_s=INTERVAL, timeout_s=10,
-                                   interval_source="test", timeout_source="test"),
+                                   interval_source="test", timeout_source="test",
+                                   failure_grace_s=GRACE, execute_timeout_s=STEP_TIMEOUT),
     )
     return UnitExecutor(cfg), channel, driver
 
@@ -208,21 +206,41 @@ def so(structured: bool = False, fused_none: bool = True):
     return SimpleNamespace(has_structured_output_requests=structured, fused_none=fused_none)
 
 
+RANK0_OUTCOMES = [None, "error", "interrupt"]
+
+
+def injected(kind: str | None) -> BaseException | None:
+    """What rank 0's worker raises: an Exception, or a BaseException that is not one."""
+    if kind == "error":
+        return RuntimeError("injected on rank 0")
+    if kind == "interrupt":
+        return KeyboardInterrupt("injected Ctrl-C on rank 0")
+    return None
+
+
 class ExecutorMachine(RuleBasedStateMachine):
+    """The model: whether the executor must be failed (and why), the sampled output the
+    engine's next ``sample_tokens`` must get, and how many broadcasts every call costs."""
+
     def __init__(self) -> None:
         super().__init__()
         self.trace = Trace()
         self.clock = Clock()
         self.worker_error_rank: int | None = None
-        self.gather_breaks = False
+        self.gather_mode = "ok"  # ok | breaks | times-out | blocks
+        self.gather_timeouts: list[float | None] = []
+        self.gather_entered = threading.Event()
+        self.gather_release = threading.Event()
+        self.dead_rank: int | None = None
         self.ex, self.channel, self.driver = make_executor(self.trace, self.clock, self._gather)
+        self.worker = self.driver.worker
         echo_rank.trace = self.trace
         self.pacer = self.ex._pacer
-        self.pending_fused = False
+        self.watch = self.ex._watch
+        self.pending: str | None = None  # the sampled output the engine has not taken
+        self.model_failure: str | None = None  # expected substring of the failure reason
+        self.broadcasts = 0
         self.states = [self.ex.state]
-        self.futures: list[Future] = []
-        self.callbacks_fired = 0
-        self.failed_reason: str | None = None
         self.callback_calls = 0
         self.ex.register_failure_callback(self._on_failure)
 
@@ -230,9 +248,18 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.callback_calls += 1
 
     def _gather(self, mine: RpcReply, timeout_s):
-        if self.gather_breaks:
-            self.gather_breaks = False
+        self.gather_timeouts.append(timeout_s)
+        mode, self.gather_mode = self.gather_mode, "ok"
+        if mode == "blocks":
+            self.gather_entered.set()
+            self.gather_release.wait(30)
+            raise RuntimeError("gloo: connection closed by peer (released by the test)")
+        if mode == "breaks" or self.dead_rank is not None:
             raise RuntimeError("gloo: connection closed by peer")
+        if mode == "times-out":
+            assert timeout_s is not None, "a gather that must time out got no deadline"
+            self.clock.now += timeout_s  # gloo waits until the deadline, then raises
+            raise RuntimeError("gloo: timed out waiting for peers")
         replies = [mine]
         for r in range(1, WORLD):
             if r == self.worker_error_rank:
@@ -245,7 +272,11 @@ class ExecutorMachine(RuleBasedStateMachine):
     # -- helpers -------------------------------------------------------------------
     @property
     def failed(self) -> bool:
-        return self.ex.state is not ExecutorState.RUNNING
+        return self.model_failure is not None
+
+    def _predict_failure(self, reason: str) -> None:
+        if self.model_failure is None:
+            self.model_failure = reason  # the first reason wins
 
     def _tick_inside(self) -> None:
         """The pacer's thread wakes up in the middle of rank 0's part of a step, late."""
@@ -259,7 +290,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         t.join()
 
     def _expect_refused(self, fn) -> None:
-        with pytest.raises(ExecutorFailedError):
+        with pytest.raises(ExecutorFailedError, match="keepalive executor failed"):
             fn()
 
     def _track(self, value):
@@ -268,222 +299,323 @@ class ExecutorMachine(RuleBasedStateMachine):
             fired = []
             value.add_done_callback(lambda f: fired.append(f))
             assert fired, "done-callback did not fire on a resolved future"
-            self.futures.append(value)
             return value.result()  # raises what the call raised, as a blocking call would
         return value
 
+    def _in_engine_thread(self, fn) -> tuple[threading.Thread, list]:
+        """Run ``fn`` on a thread of its own (the engine's), for steps that block."""
+        outcome: list = []
+
+        def run() -> None:
+            try:
+                outcome.append(("ok", fn()))
+            except BaseException as e:  # noqa: BLE001 - inspected by the rule
+                outcome.append(("raised", e))
+
+        t = threading.Thread(target=run, name="engine-thread-under-test", daemon=True)
+        t.start()
+        return t, outcome
+
     # -- rules -----------------------------------------------------------------------
-    @rule(non_block=st.booleans(), tick_inside=st.booleans(), rank0_raises=st.booleans())
-    @precondition(lambda self: not self.pending_fused)
-    def execute_model_fused(self, non_block, tick_inside, rank0_raises):
+    @rule(non_block=st.booleans(), tick_inside=st.booleans(),
+          rank0=st.sampled_from(RANK0_OUTCOMES))
+    def execute_model_fused(self, non_block, tick_inside, rank0):
+        """Also while the previous fused step's output was never taken: the engine skipped
+        its sample_tokens (an error between the two calls); the ranks are still in step."""
         if self.failed:
             self._expect_refused(lambda: self._track(self.ex.execute_model(so(), non_block)))
+            self.pending = None
             return
+        self.trace.step_id += 1
         self.trace.open_steps += 1
         if tick_inside:
-            self.driver.during_call.append(self._tick_inside)
-        self.driver.raise_next = rank0_raises
-        if rank0_raises:
-            with pytest.raises(RuntimeError, match="injected on rank 0"):
-                self._track(self.ex.execute_model(so(), non_block))
-            self.trace.open_steps -= 1
-            # the other ranks ran the step: the executor must have failed, naming the call
-            assert self.ex.state is ExecutorState.FAILED
-            assert "execute_model raised on rank 0" in self.ex._life.failure.reason
-            return
-        out = self._track(self.ex.execute_model(so(), non_block))
-        assert out is None
-        self.pending_fused = True  # the step stays open until sample_tokens
-
-    @rule(non_block=st.booleans(), tick_inside=st.booleans())
-    @precondition(lambda self: self.pending_fused)
-    def sample_tokens_of_fused(self, non_block, tick_inside):
-        if tick_inside:
-            self.driver.during_call.append(self._tick_inside)
-        failed_before = self.failed
+            self.worker.during_call.append(self._tick_inside)
+        self.worker.raise_next = injected(rank0)
+        self.broadcasts += 1
+        self.pending = None  # discarded by the next model step, if any was left
         try:
-            result = self._track(self.ex.sample_tokens(None, non_block))
-        except ExecutorFailedError:
-            assert failed_before
-        else:
-            assert not failed_before
-            assert result == "sampled"
-            # rank 0 sampled right after its forward pass, nothing on the channel between
-            local = [i for i, e in enumerate(self.trace.events) if e[0] != "keepalive"]
-            assert [self.trace.events[i] for i in local[-2:]] == [
-                ("local", "execute_model"), ("local", "sample_tokens")]
+            if rank0 is not None:
+                with pytest.raises(type(self.worker.raise_next), match="injected"):
+                    self._track(self.ex.execute_model(so(), non_block))
+                self._predict_failure("execute_model raised on rank 0" if rank0 == "error"
+                                      else "interrupted on rank 0 by KeyboardInterrupt")
+                return
+            assert self._track(self.ex.execute_model(so(), non_block)) is None
         finally:
-            self.pending_fused = False
             self.trace.open_steps -= 1
+        # one broadcast, then rank 0 sampled straight after its forward pass
+        assert [e for e in self.trace.events if e[0] != "keepalive"][-3:] == [
+            ("broadcast", "execute_and_sample"), ("local", "execute_model"),
+            ("local", "sample_tokens")]
+        self.pending = f"sampled-{self.trace.step_id}"
 
     @rule(non_block=st.booleans())
-    @precondition(lambda self: not self.pending_fused)
+    @precondition(lambda self: self.pending is not None)
+    def sample_tokens_of_fused(self, non_block):
+        pending, self.pending = self.pending, None
+        if self.failed:
+            self._expect_refused(lambda: self._track(self.ex.sample_tokens(None, non_block)))
+            return
+        before = self.broadcasts
+        assert self._track(self.ex.sample_tokens(None, non_block)) == pending
+        assert self.broadcasts == before  # nothing on the channel
+
+    @rule(non_block=st.booleans())
     def structured_output_step(self, non_block):
         """Not fused: execute_model and sample_tokens are two broadcasts."""
+        self.pending = None
         if self.failed:
             self._expect_refused(lambda: self._track(self.ex.execute_model(so(True), non_block)))
             return
         self.trace.open_steps += 1
+        self.broadcasts += 1
         assert self._track(self.ex.execute_model(so(True), non_block)) is None
         self.trace.open_steps -= 1
         assert self.trace.events[-2:] == [("broadcast", "execute_model"),
                                           ("local", "execute_model")]  # no local sampling
         self.trace.open_steps += 1
-        assert self._track(self.ex.sample_tokens("bitmask", non_block)) == "sampled"
+        self.broadcasts += 1
+        assert self._track(self.ex.sample_tokens("bitmask", non_block)).startswith("sampled")
         self.trace.open_steps -= 1
 
     @rule(non_block=st.booleans(), error_rank=st.sampled_from([None, 1, 2]),
+          rank0=st.sampled_from([*RANK0_OUTCOMES, "error-others-stuck"]),
           tick_inside=st.booleans())
-    @precondition(lambda self: not self.pending_fused)
-    def collective_rpc(self, non_block, error_rank, tick_inside):
+    def collective_rpc(self, non_block, error_rank, rank0, tick_inside):
+        """Also between a fused execute_model and its sample_tokens (a user's thread)."""
         if self.failed:
             self._expect_refused(lambda: self.ex.collective_rpc(echo_rank, non_block=False))
             return
         self.worker_error_rank = error_rank
+        self.worker.raise_next = injected("error" if rank0 == "error-others-stuck" else rank0)
+        if rank0 == "error-others-stuck":
+            self.gather_mode = "times-out"  # the others wait in a collective rank 0 skipped
         if tick_inside:
-            self.driver.during_call.append(self._tick_inside)
+            self.worker.during_call.append(self._tick_inside)
         self.trace.open_steps += 1
+        self.broadcasts += 1
+        self.gather_timeouts.clear()
         try:
-            if error_rank is None:
-                out = self._track(self.ex.collective_rpc(echo_rank, non_block=non_block))
-                assert out == [(0, 0), (1, 0), (2, 0)]
-            else:
+            call = lambda: self._track(self.ex.collective_rpc(echo_rank, non_block=non_block))  # noqa: E731
+            if rank0 == "interrupt":
+                with pytest.raises(KeyboardInterrupt):
+                    call()
+                self._predict_failure("echo_rank was interrupted on rank 0 by KeyboardInterrupt")
+            elif rank0 is not None:
+                with pytest.raises(RuntimeError, match="injected on rank 0"):
+                    call()  # rank 0's own error, at once, whatever the others do
+                # rank 0 waited for the others for the failure grace, no longer
+                assert self.gather_timeouts == [pytest.approx(GRACE)]
+                if rank0 == "error-others-stuck":
+                    self._predict_failure("collective_rpc('echo_rank') raised on rank 0 "
+                                          "(RuntimeError: injected on rank 0) and the other "
+                                          "ranks did not reply within 0.5s")
+            elif error_rank is not None:
                 with pytest.raises(WorkerRpcError, match=f"failed on rank {error_rank}"):
-                    self._track(self.ex.collective_rpc(echo_rank, non_block=non_block))
+                    call()
+                assert self.gather_timeouts == [None]  # no deadline of its own
+            else:
+                assert call() == [(0, 0), (1, 0), (2, 0)]
         finally:
             self.trace.open_steps -= 1
-        assert self.ex.state is ExecutorState.RUNNING  # an error reply keeps ranks in step
+            self.worker_error_rank = None
+
+    @rule(timeout=st.floats(min_value=0.5, max_value=20))
+    @precondition(lambda self: not self.failed)
+    def collective_rpc_whose_replies_never_come_times_out(self, timeout):
+        self.gather_mode = "times-out"
+        self.broadcasts += 1
+        self.gather_timeouts.clear()
+        with pytest.raises(TimeoutError, match=f"echo_rank timed out after {timeout:g}s"):
+            self.ex.collective_rpc(echo_rank, timeout=timeout)
+        assert self.gather_timeouts == [pytest.approx(timeout)]  # the call's own deadline
+        self._predict_failure(f"echo_rank timed out after {timeout:g}s")
 
     @rule()
-    @precondition(lambda self: self.pending_fused and not self.failed)
-    def collective_rpc_from_another_thread_waits_for_the_fused_step(self):
+    @precondition(lambda self: not self.failed)
+    def collective_rpc_from_another_thread_waits_for_rank0s_fused_part(self):
         """In-process users call collective_rpc from their own thread: it must not land
         between rank 0's forward pass and its sampling."""
         about_to_call = threading.Event()
-        outcome: list = []
+        threads: list = []
 
-        def other() -> None:
-            about_to_call.set()
-            outcome.append(self.ex.collective_rpc(echo_rank, args=(7,)))
+        def start_other() -> None:  # runs inside rank 0's forward pass
+            threads.append(self._in_engine_thread(
+                lambda: (about_to_call.set(), self.ex.collective_rpc(echo_rank, args=(7,)))[1]))
+            assert about_to_call.wait(10)
+            time.sleep(0.05)  # room for a wrong implementation to broadcast now
 
-        t = threading.Thread(target=other, daemon=True)
-        t.start()
-        assert about_to_call.wait(10)
-        time.sleep(0.05)  # room for a wrong implementation to broadcast now
-        assert ("broadcast", "echo_rank") not in self.trace.events[-3:], self.trace.events[-3:]
-        self.ex.sample_tokens(None)
-        self.pending_fused = False
-        self.trace.open_steps -= 1
+        self.worker.during_call.append(start_other)
+        self.trace.step_id += 1
+        self.broadcasts += 2
+        self.pending = None
+        assert self.ex.execute_model(so()) is None
+        t, outcome = threads[0]
         t.join(10)
         assert not t.is_alive()
-        assert outcome == [[(0, 7), (1, 0), (2, 0)]]
-        names = self.trace.events
-        sampled = max(i for i, e in enumerate(names) if e == ("local", "sample_tokens"))
-        rpc = max(i for i, e in enumerate(names) if e == ("broadcast", "echo_rank"))
-        assert sampled < rpc
+        assert outcome == [("ok", [(0, 7), (1, 0), (2, 0)])]
+        assert [e for e in self.trace.events if e[0] != "keepalive"][-5:] == [
+            ("broadcast", "execute_and_sample"), ("local", "execute_model"),
+            ("local", "sample_tokens"), ("broadcast", "echo_rank"), ("local", "echo_rank")]
+        self.pending = f"sampled-{self.trace.step_id}"
 
     @rule()
-    @precondition(lambda self: self.pending_fused and not self.failed)
-    def same_thread_call_while_fused_is_refused_without_failing(self):
-        with pytest.raises(RuntimeError, match="call sample_tokens first"):
-            self.ex.collective_rpc(echo_rank)
-        assert self.ex.state is ExecutorState.RUNNING
+    @precondition(lambda self: not self.failed)
+    def a_model_step_stuck_on_rank0_times_out_then_is_given_up(self):
+        """The step timeout and the give-up, on the fake clock: the engine thread is
+        released although rank 0's thread stays blocked."""
+        inside, release = threading.Event(), threading.Event()
+        self.worker.during_call.append(lambda: (inside.set(), release.wait(30)))
+        self.broadcasts += 1
+        self.pending = None
+        t, outcome = self._in_engine_thread(self.ex.execute_dummy_batch)
+        try:
+            assert inside.wait(10)
+            assert self.watch.check() is WatchAction.NONE  # before its deadline
+            self.clock.now += STEP_TIMEOUT
+            assert self.watch.check() is WatchAction.TIMEOUT
+            self._predict_failure(f"execute_dummy_batch did not return within "
+                                  f"{STEP_TIMEOUT:g}s (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)")
+            assert self.ex.state is ExecutorState.FAILED and t.is_alive()
+            self.clock.now += GRACE / 2
+            assert self.watch.check() is WatchAction.NONE  # inside the grace
+            self.clock.now += GRACE / 2
+            assert self.watch.check() is WatchAction.GIVE_UP
+            t.join(10)
+            assert not t.is_alive(), "the give-up did not release the engine thread"
+            assert outcome[0][0] == "raised"
+            assert isinstance(outcome[0][1], ExecutorFailedError)
+            assert "still inside execute_dummy_batch" in str(outcome[0][1])
+        finally:
+            release.set()
+
+    @rule()
+    @precondition(lambda self: not self.failed)
+    def a_rank_fails_while_rank0_waits_in_the_reply_gather(self):
+        """The gather has no deadline (timeout None): only the give-up can release the
+        engine thread, and it must, within the failure grace of the failure."""
+        self.gather_mode = "blocks"
+        self.gather_entered.clear()
+        self.gather_release.clear()
+        self.broadcasts += 1
+        t, outcome = self._in_engine_thread(lambda: self.ex.collective_rpc(echo_rank))
+        try:
+            assert self.gather_entered.wait(10)
+            reason = "worker rank 1 (pid 1) died unexpectedly (exit code -9)"
+            self._fail_from_monitor(reason)
+            self._predict_failure(reason)
+            assert self.ex._life.failure.stuck.name == "echo_rank"
+            self.clock.now += GRACE
+            assert self.watch.check() is WatchAction.GIVE_UP
+            t.join(10)
+            assert not t.is_alive(), "the give-up did not release the engine thread"
+            assert isinstance(outcome[0][1], ExecutorFailedError)
+            assert reason in str(outcome[0][1])
+        finally:
+            self.gather_release.set()
 
     @rule(dt=st.floats(min_value=0, max_value=3 * INTERVAL))
     def time_passes_and_the_pacer_wakes(self, dt):
         self.clock.now += dt
         if self.pacer.state.value in ("idle", "busy"):
             self.pacer.tick()
+        assert self.watch.check() is WatchAction.NONE  # no step: nothing to watch
 
     @rule(during_step=st.booleans())
     @precondition(lambda self: not self.failed)
     def a_rank_fails(self, during_step):
         reason = "worker rank 2 (pid 1) died unexpectedly (exit code -9)"
-        if during_step and not self.pending_fused:
-            # the failure arrives while rank 0 is inside the step
+        if during_step:
+            # the failure arrives while rank 0 is inside the step; the gather then breaks
             seen = {}
 
             def fail_now():
                 self._fail_from_monitor(reason)
                 seen["step"] = self.ex._life.failure.stuck
+                self.dead_rank = 2
 
-            self.driver.during_call.append(fail_now)
+            self.worker.during_call.append(fail_now)
             self.trace.open_steps += 1
+            self.broadcasts += 1
             try:
-                self.ex.collective_rpc(echo_rank)
-            except ExecutorFailedError:
-                pass
+                with pytest.raises(ExecutorFailedError, match=reason.replace("(", r"\(")
+                                   .replace(")", r"\)")):
+                    self.ex.collective_rpc(echo_rank)
             finally:
                 self.trace.open_steps -= 1
             # the failure captured the step rank 0 was inside: one atomic decision
             assert seen["step"] is not None and seen["step"].name == "echo_rank"
         else:
             self._fail_from_monitor(reason)
-            if self.pending_fused:
-                assert self.ex._life.failure.stuck.name == "execute_model"
-        assert self.ex.state is ExecutorState.FAILED
-        self.failed_reason = reason
+            assert self.ex._life.failure.stuck is None  # no step was running
+        self._predict_failure(reason)
 
     @rule()
-    @precondition(lambda self: not self.failed and not self.pending_fused)
+    @precondition(lambda self: not self.failed)
     def a_broadcast_breaks(self):
         self.channel.break_next = True
         with pytest.raises(ExecutorFailedError, match="broadcast of echo_rank failed"):
             self.ex.collective_rpc(echo_rank)
-        assert self.ex.state is ExecutorState.FAILED
+        self._predict_failure("broadcast of echo_rank failed: peer gone")
 
     @rule()
-    @precondition(lambda self: not self.failed and not self.pending_fused)
+    @precondition(lambda self: not self.failed)
     def the_reply_gather_breaks(self):
-        self.gather_breaks = True
+        self.gather_mode = "breaks"
+        self.broadcasts += 1
         with pytest.raises(ExecutorFailedError, match="gathering replies to echo_rank"):
             self.ex.collective_rpc(echo_rank)
-        assert self.ex.state is ExecutorState.FAILED
+        self._predict_failure("gathering replies to echo_rank failed")
 
     @rule()
-    @precondition(lambda self: self.failed and not self.pending_fused)
+    @precondition(lambda self: self.failed)
     def every_call_after_a_failure_is_refused(self):
         for call in (lambda: self.ex.collective_rpc(echo_rank),
                      lambda: self.ex.execute_model(so()),
                      lambda: self.ex.execute_dummy_batch(),
                      lambda: self.ex.check_health()):
-            with pytest.raises(ExecutorFailedError, match="keepalive executor failed"):
-                call()
+            self._expect_refused(call)
         future = self.ex.execute_model(so(), non_block=True)
         assert future.done() and isinstance(future.exception(), ExecutorFailedError)
+        self.pending = None
 
-    # -- invariants --------------------------------------------------------------------
+    # -- invariants: the model's prediction against what the executor shows ------------
     @invariant()
-    def pacer_in_flight_is_the_open_fused_step_only(self):
-        assert self.pacer.in_flight == (1 if self.pending_fused else 0)
+    def no_step_holds_the_pacer_between_calls(self):
+        assert self.pacer.in_flight == 0
 
     @invariant()
     def no_keepalive_inside_a_step(self):
         assert not self.trace.violations, self.trace.violations
 
     @invariant()
-    def state_only_moves_forward(self):
+    def broadcasts_are_what_each_call_costs(self):
+        sent = sum(1 for kind, _ in self.trace.events if kind == "broadcast")
+        assert sent == self.broadcasts
+
+    @invariant()
+    def failed_exactly_when_the_model_says_and_for_its_reason(self):
         state = self.ex.state
         assert ORDER[state] >= ORDER[self.states[-1]]
         self.states.append(state)
-        assert self.ex.is_failed == (self.failed_reason is not None or
-                                     self.ex._life.failure is not None)
+        if self.model_failure is None:
+            assert state is ExecutorState.RUNNING, self.ex._life.failure
+        else:
+            assert state is ExecutorState.FAILED
+            assert self.model_failure in self.ex._life.failure.reason
 
     @invariant()
     def failure_callback_called_exactly_once_when_failed(self):
-        assert self.callback_calls == (1 if self.ex.is_failed else 0)
-
-    @invariant()
-    def every_future_resolved(self):
-        assert all(f.done() for f in self.futures)
+        assert self.callback_calls == (1 if self.failed else 0)
 
     def teardown(self):
-        if self.pending_fused and not self.failed:
-            self.ex.sample_tokens(None)
+        self.gather_release.set()
+        began = time.monotonic()
         self.ex.shutdown()
+        assert time.monotonic() - began < 3 * GRACE + 1.5  # bounded after any failure
         assert self.ex.state is ExecutorState.STOPPED
         assert self.pacer.in_flight == 0
-        if not self.ex.is_failed:
+        if not self.failed:
             assert self.trace.events[-1] == ("shutdown", "")  # SHUTDOWN is the last frame
 
 
@@ -494,20 +626,76 @@ TestExecutorMachine = ExecutorMachine.TestCase
 
 def test_keepalives_are_sent_while_idle_between_steps():
     """The machine above checks keepalives never land inside a step; this checks they are
-    sent at all when idle, so that check is not vacuous."""
+    sent at all when idle (also between a fused execute_model and its sample_tokens, when
+    every rank has finished the step), so that check is not vacuous."""
     trace, clock = Trace(), Clock()
     ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD)
     clock.now += INTERVAL
     ex._pacer.tick()
     assert trace.events[-1] == ("keepalive", "")
+
+    def late_tick() -> None:
+        clock.now += 10 * INTERVAL
+        ex._pacer.tick()
+
+    driver.worker.during_call.append(late_tick)
     ex.execute_model(so())
-    clock.now += 10 * INTERVAL
-    ex._pacer.tick()
-    assert trace.events[-1] == ("local", "sample_tokens")  # fused step open: none sent
-    ex.sample_tokens(None)
+    assert trace.events[-1] == ("local", "sample_tokens")  # inside the step: none sent
     ex._pacer.tick()
     assert trace.events[-1] == ("keepalive", "")
+    ex.sample_tokens(None)
     ex.shutdown()
+
+
+def test_ctrl_c_while_rank0_is_stuck_fails_the_executor_and_shutdown_stays_bounded():
+    """A real SIGINT in the calling (main) thread while rank 0's thread is blocked inside a
+    collective_rpc: the call raises KeyboardInterrupt, the executor fails naming it (the
+    other ranks wait in a gather rank 0 will not join), every later call is refused at once,
+    and shutdown does not wait for rank 0's stuck thread."""
+    import signal
+
+    assert threading.current_thread() is threading.main_thread()
+    trace, clock = Trace(), Clock()
+    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD)
+    inside, release = threading.Event(), threading.Event()
+    driver.worker.during_call.append(lambda: (inside.set(), release.wait(60)))
+
+    main = threading.main_thread().ident
+    interrupted = threading.Event()
+
+    def on_sigint(signum, frame):  # one KeyboardInterrupt, however many signals land
+        if not interrupted.is_set():
+            interrupted.set()
+            raise KeyboardInterrupt
+
+    def press_ctrl_c() -> None:
+        assert inside.wait(10)
+        # At the main thread (a process-directed signal may land on any thread), and again
+        # until it took: a signal that lands just before the thread blocks only marks the
+        # handler pending, and the thread would sleep on until rank 0 returns.
+        while not interrupted.wait(0.2):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    presser = threading.Thread(target=press_ctrl_c, daemon=True)
+    presser.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ex.collective_rpc(echo_rank)
+        presser.join(10)
+        assert ex.state is ExecutorState.FAILED
+        assert "echo_rank was interrupted on rank 0 by KeyboardInterrupt" in \
+            ex._life.failure.reason
+        began = time.monotonic()
+        with pytest.raises(ExecutorFailedError, match="KeyboardInterrupt"):
+            ex.collective_rpc(echo_rank)
+        assert time.monotonic() - began < 0.5
+        began = time.monotonic()
+        ex.shutdown()
+        assert time.monotonic() - began < 3 * GRACE + 1.5  # not rank 0's 60 s
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        release.set()
 
 
 class FakeOutputs:

@@ -54,6 +54,7 @@ class TorchrunRanks:
         self.shared_worker_lock = get_mp_context().Lock()
         self._liveness_timeout_s = 0.0
         self._monitor: LivenessMonitor | None = None
+        self._on_death: Callable[[str], None] | None = None
 
     def start(self, vllm_config: Any, settings: Any) -> None:
         """Post the signed bootstrap: the configuration every other rank follows."""
@@ -81,10 +82,19 @@ class TorchrunRanks:
         init_world_process_group(self.env, self._vllm_config, self._timeout_s)
 
     def wait_ready(self) -> None:
-        """Nothing more: the rendezvous in before_init_device was every rank's readiness."""
+        """The rendezvous in before_init_device was every rank's readiness; the heartbeat
+        monitor starts now (a follower beats from its bootstrap on, and may still be
+        importing vLLM before that: a slow start is torchrun's to bound, not a loss)."""
+        if self._on_death is not None:
+            self._start_monitor(self._on_death)
 
     def watch(self, on_death: Callable[[str], None]) -> None:
-        """Heartbeats on the store (a client of its own: the monitor runs in a thread)."""
+        """Heartbeats on the store, from :meth:`wait_ready` on (a client of its own: the
+        monitor runs in a thread). A rank lost before then fails the rendezvous, which
+        torchrun's agent ends."""
+        self._on_death = on_death
+
+    def _start_monitor(self, on_death: Callable[[str], None]) -> None:
         if self.env.world_size < 2:
             return
         if os.environ.get(_TEST_DISABLE_LIVENESS_ENV) == "1":
