@@ -75,6 +75,10 @@ _TEST_DISABLE_PACER_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER"
 #: Test-only: pass on rank 0's KV connector output alone (what the executor did before), so a
 #: test can show what merging every rank's output changes. Not an option.
 _TEST_NO_CONNECTOR_MERGE_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_CONNECTOR_MERGE"
+#: Test-only: watch the ranks only once start-up is done (what the executor did before), so
+#: a test can show that a rank dying inside the rendezvous then fails start-up only at its
+#: timeout. Not an option.
+_TEST_LATE_WORKER_WATCH_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_LATE_WORKER_WATCH"
 #: How long shutdown waits for the channel (a step finishing, the SHUTDOWN broadcast), and
 #: for each of rank 0's own clean-up calls.
 SHUTDOWN_SEND_S = 5.0
@@ -160,7 +164,11 @@ class KeepaliveExecutor(Executor):
         driver = DriverRank()
         self._driver = driver
         ranks.start(self.vllm_config, settings)
-        ranks.watch(self._fail)
+        late_watch = os.environ.get(_TEST_LATE_WORKER_WATCH_ENV) == "1"
+        if late_watch:
+            logger.warning("TEST ONLY: ranks watched only after start-up")
+        else:
+            ranks.watch(self._fail)
         # Start-up is a step of its own for the failure model: a rank lost while rank 0 waits
         # in the rendezvous fails it within the failure grace (the watch gives the wait up),
         # and a rendezvous that never completes fails it at the start-up timeout.
@@ -185,6 +193,8 @@ class KeepaliveExecutor(Executor):
             self._outputs = OutputReceiver(link, on_lost=self._fail)
         gather = partial(_gather, group=reply_group, world_size=self.world_size)
         self._assemble(settings, channel, driver, gather)
+        if late_watch:
+            ranks.watch(self._fail)
         self.collective_rpc(_load_model)
 
     def _make_watch(self, settings: KeepaliveSettings) -> StepWatch:

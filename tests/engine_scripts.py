@@ -100,6 +100,24 @@ def slow_start(model: str, timeout_s: int) -> dict:
             "elapsed_s": time.monotonic() - t0}
 
 
+def startup_death(model: str, stamp: str) -> dict:
+    """Start TP=2 with rank 1 dying after ALIVE, before the rendezvous (see
+    fault_injection.SlowStartCPUWorker): how long after the death start-up fails, and how."""
+    set_binding(2)
+    from vllm import LLM
+
+    try:
+        LLM(**engine_kwargs(model, 2, "keepalive",
+                            worker_cls="fault_injection.SlowStartCPUWorker"))
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        failed_at = time.time()
+        with open(stamp) as f:
+            died_at = float(f.read())
+        return {"started": False, "error": f"{type(e).__name__}: {e}",
+                "after_death_s": failed_at - died_at}
+    return {"started": True}
+
+
 async def _stream(engine: Any, prompt: str, rid: str, max_tokens: int,
                   abort_after: int | None = None) -> dict:
     from vllm import SamplingParams
@@ -282,6 +300,67 @@ def inprocess_holes(model: str, fault_dir: str, backend: str = "keepalive") -> d
         result["rank0_error"] = None
     except Exception as e:  # noqa: BLE001
         result["rank0_error"] = f"{type(e).__name__}: {e}"
+    t0 = time.monotonic()
+    try:
+        gen()
+        result["next_error"] = None
+    except Exception as e:  # noqa: BLE001
+        result["next_error"] = f"{type(e).__name__}: {e}"
+    result["next_error_s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    llm.llm_engine.engine_core.shutdown()
+    result["shutdown_s"] = time.monotonic() - t0
+    return result
+
+
+def rank0_fails_before_allreduce(worker: Any) -> int:
+    """collective_rpc callable: rank 0 raises (an OOM, a validation error in a weight-sync
+    method) before a TP all-reduce that every other rank enters."""
+    import torch
+    from vllm.distributed.parallel_state import get_tp_group
+
+    if worker.rank == 0:
+        raise ValueError("rank 0 refused the new weights")
+    torch.distributed.all_reduce(torch.ones(1), group=get_tp_group().cpu_group)
+    return worker.rank
+
+
+def inprocess_rpc_errors(model: str, backend: str = "keepalive") -> dict:
+    """One in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), three checks, the fatal one
+    last:
+    1. a function defined in ``__main__`` after the engine started (a notebook's) runs on
+       every rank, as under mp;
+    2. a method every rank lacks: rank 0's error, and the engine stays usable (in step);
+    3. rank 0 raises before a collective the others enter: rank 0's error reaches the caller
+       at once, every later call is refused naming it, and shutdown is bounded."""
+    set_binding(2)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(model, 2, backend))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    gen = lambda: [list(o.outputs[0].token_ids)  # noqa: E731
+                   for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    result: dict[str, Any] = {}
+    before = gen()
+    main = sys.modules["__main__"].__dict__
+    exec("def notebook_fn(worker):\n    return ('notebook', worker.rank)\n", main)
+    try:
+        result["notebook"] = llm.collective_rpc(main["notebook_fn"])
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        result["notebook"] = f"{type(e).__name__}: {e}"
+    try:
+        llm.collective_rpc("no_such_method_anywhere")
+        result["missing_everywhere"] = None
+    except Exception as e:  # noqa: BLE001
+        result["missing_everywhere"] = f"{type(e).__name__}: {e}"
+    result["same_after_missing"] = gen() == before
+    t0 = time.monotonic()
+    try:
+        llm.collective_rpc(rank0_fails_before_allreduce, timeout=60)
+        result["rank0_error"] = None
+    except Exception as e:  # noqa: BLE001
+        result["rank0_error"] = f"{type(e).__name__}: {e}"
+    result["rank0_error_s"] = time.monotonic() - t0
     t0 = time.monotonic()
     try:
         gen()

@@ -19,6 +19,9 @@ Start-up delays of rank 1 (environment, inherited by its process), for
 * ``KEEPALIVE_SLOW_CONSTRUCT_S``  sleep while the worker is being constructed, as a cold
   interpreter importing vLLM on a loaded machine does (before the worker says ALIVE)
 * ``KEEPALIVE_SLOW_RENDEZVOUS_S`` sleep just before it joins the process groups (after ALIVE)
+* ``KEEPALIVE_DIE_BEFORE_RENDEZVOUS`` exit with this code just before it joins them (after
+  ALIVE: a GPU ``init_device`` failure, say), first writing the time of death
+  (``time.time()``) to the file ``KEEPALIVE_DEATH_STAMP``
 """
 
 from __future__ import annotations
@@ -82,4 +85,9 @@ class SlowStartCPUWorker(CPUWorker):
     def init_device(self) -> None:
         if self.rank == 1:
             time.sleep(float(os.environ.get("KEEPALIVE_SLOW_RENDEZVOUS_S", "0")))
+            code = os.environ.get("KEEPALIVE_DIE_BEFORE_RENDEZVOUS")
+            if code is not None:
+                with open(os.environ["KEEPALIVE_DEATH_STAMP"], "w") as f:
+                    f.write(repr(time.time()))
+                os._exit(int(code))
         super().init_device()

@@ -99,3 +99,48 @@ def test_in_process_rank_killed_mid_step_fails_the_call_and_the_process_lives(ti
     assert "died unexpectedly" in res["error"] and "still inside execute_model" in res["error"]
     assert res["error_s"] < 10, res  # the grace is 0.5 s; a hang would be forever
     assert "keepalive executor failed" in res["later_error"] and res["later_error_s"] < 5
+
+
+@pytest.mark.slow
+def test_in_process_rpc_errors_notebook_function_in_step_error_and_rank0_error_before_a_collective(
+        tiny_model):
+    """Issue 14 items 9 and 2 in one in-process engine (the fatal check last)."""
+    res = run_script("inprocess_rpc_errors", model=tiny_model, extra_env={
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH})
+    # 9. a function the other ranks cannot import travels by value, as under mp
+    assert res["notebook"] == [["notebook", 0], ["notebook", 1]], res["notebook"]
+    # an error on every rank keeps the ranks in step: rank 0's error, the engine usable
+    assert "no_such_method_anywhere" in res["missing_everywhere"], res
+    assert res["same_after_missing"]
+    # 2. rank 0 raised before an all-reduce rank 1 entered: rank 0's own error at once
+    #    (the 0.5 s failure grace for rank 1 to reply, not the 60 s call timeout nor
+    #    gloo's 1800 s), then every call is refused naming the method and the error
+    assert res["rank0_error"].startswith("ValueError: rank 0 refused the new weights"), res
+    assert res["rank0_error_s"] < 3, res
+    assert "keepalive executor failed: collective_rpc('rank0_fails_before_allreduce') " \
+        "raised on rank 0 (ValueError: rank 0 refused the new weights)" in res["next_error"]
+    assert res["next_error_s"] < 1, res
+    assert res["shutdown_s"] < 4, res  # rank 1 is stuck in its all-reduce: death pipe first
+
+
+@pytest.mark.parametrize("early_watch", [True, False], ids=["watched", "control-late-watch"])
+def test_a_worker_dying_before_the_rendezvous_fails_start_up_within_a_second(
+        tiny_model, tmp_path, early_watch):
+    """Rank 1 exits (code 3) after ALIVE, before it joins the process groups, while rank 0
+    waits in the rendezvous. Watched from ALIVE on, start-up fails about a second after the
+    death naming the rank and its code; the control (the worker monitor started after
+    start-up, as before) waits for the start-up timeout (12 s here; 600 s by default)."""
+    stamp = tmp_path / "death"
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
+           "KEEPALIVE_DIE_BEFORE_RENDEZVOUS": "3", "KEEPALIVE_DEATH_STAMP": str(stamp),
+           "VLLM_KEEPALIVE_STARTUP_TIMEOUT_S": "12"}
+    if not early_watch:
+        env["_KEEPALIVE_EXECUTOR_TEST_ONLY_LATE_WORKER_WATCH"] = "1"
+    res = run_script("startup_death", model=tiny_model, stamp=str(stamp), extra_env=env)
+    assert not res["started"]
+    if early_watch:
+        assert "worker rank 1" in res["error"] and "exit code 3" in res["error"], res
+        assert res["after_death_s"] < 2.0, res
+    else:
+        assert "did not return within 12s (VLLM_KEEPALIVE_STARTUP_TIMEOUT_S)" in res["error"]
+        assert res["after_death_s"] > 10, res
