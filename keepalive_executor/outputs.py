@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -165,6 +166,22 @@ class OutputReceiver:
         for e in pending:
             _settle(e.future, error=error)
 
+    def drain(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` until every expected output has arrived; the thread
+        keeps receiving and the futures settle as usual. True if it drained; False on
+        timeout, or if the receiver failed or was stopped first.
+
+        Shutdown calls this before :meth:`fail_all`: an output rank whose output is never
+        received stays blocked in its send and never reads the SHUTDOWN broadcast."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._expected and self._failed is None and not self._stopping:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            return not self._expected and self._failed is None
+
     def stop(self) -> None:
         """End the thread once it is not receiving (shutdown)."""
         with self._cond:
@@ -192,6 +209,7 @@ class OutputReceiver:
                 if not self._expected:
                     continue  # failed meanwhile
                 expected = self._expected.popleft()
+                self._cond.notify_all()  # drain() waits for the queue to empty
             if reply.ok:
                 _settle(expected.future, value=reply.value)
                 continue

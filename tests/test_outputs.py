@@ -4,6 +4,8 @@ vLLM, no process groups. The engine-level counterparts are in tests/test_pipelin
 from __future__ import annotations
 
 import queue
+import threading
+import time
 
 import pytest
 
@@ -84,3 +86,33 @@ def test_a_lost_link_also_fails_the_later_steps_without_the_executor():
         with pytest.raises(ExecutorFailedError, match="did not arrive: Connection closed"):
             f.result(5)
     assert len(reasons) == 1 and "rank 1" in reasons[0]
+
+
+def test_drain_waits_until_every_expected_output_arrived():
+    receiver, link, reasons = _receiver(executor_like=True)
+    futures = [receiver.expect("execute_model") for _ in range(3)]
+
+    def last_stage() -> None:  # the outputs of batches still in flight, arriving late
+        for i in range(3):
+            time.sleep(0.2)
+            link.send(i)
+
+    threading.Thread(target=last_stage, daemon=True).start()
+    t0 = time.monotonic()
+    assert receiver.drain(5.0) is True
+    assert time.monotonic() - t0 < 4.0  # woken by the last arrival, not by the bound
+    assert [f.result(0) for f in futures] == [0, 1, 2]  # settled normally, not failed
+    assert receiver.pending == 0 and reasons == []
+    assert receiver.drain(0.0) is True  # nothing expected: at once
+
+
+def test_drain_is_bounded_and_says_when_outputs_are_missing():
+    receiver, link, reasons = _receiver(executor_like=True)
+    first, stuck = receiver.expect("execute_model"), receiver.expect("execute_model")
+    link.send("only one")
+    t0 = time.monotonic()
+    assert receiver.drain(0.5) is False
+    assert 0.4 < time.monotonic() - t0 < 3.0
+    assert first.result(0) == "only one" and not stuck.done()  # drain fails nothing itself
+    receiver.fail_all(ExecutorFailedError("keepalive executor is shut down"))
+    assert receiver.drain(5.0) is False  # failed: the missing output will never be paired
