@@ -306,6 +306,11 @@ def check_features(vllm_config: Any) -> None:
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         problems.append("--kv-transfer-config (a KV connector's per-rank outputs are merged "
                         "without pipeline parallelism only)")
+    if getattr(vllm_config, "ec_transfer_config", None) is not None:
+        # the PP path returns the last stage's output alone: no rank's ec_connector_output
+        # would reach the scheduler
+        problems.append("--ec-transfer-config (an EC connector's per-rank outputs are merged "
+                        "without pipeline parallelism only)")
     if getattr(vllm_config, "speculative_config", None) is not None:
         problems.append("--speculative-config (not tested with pipeline parallelism)")
     if problems:

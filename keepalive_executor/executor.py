@@ -421,7 +421,8 @@ class KeepaliveExecutor(Executor):
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
-        """Stop the pacer, send SHUTDOWN (unless failed), reap the ranks. Idempotent."""
+        """Stop the pacer, receive the outputs of steps still in flight (PP, bounded), send
+        SHUTDOWN (unless failed), reap the ranks. Idempotent."""
         previous = self._life.stop()
         if previous is ExecutorState.STOPPED:
             return
@@ -429,6 +430,19 @@ class KeepaliveExecutor(Executor):
         if self._pacer is not None:
             self._pacer.stop(timeout=SHUTDOWN_SEND_S)
         if self._outputs is not None:
+            # PP: batches may still be in flight. Receive their outputs before failing the
+            # futures: the output rank blocks in its send until rank 0 receives, so it would
+            # never read SHUTDOWN (then SIGTERM, SIGKILL). The pacer is already stopped: the
+            # in-flight steps keep it from sending anyway, and none can race SHUTDOWN.
+            if failed:
+                pass  # the link may be gone; the ranks are stopped by signal anyway
+            elif os.environ.get("_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_SHUTDOWN_DRAIN") == "1":
+                logger.warning("TEST ONLY: shutdown does not drain the pipeline's outputs")
+            elif not self._outputs.drain(SHUTDOWN_SEND_S):
+                logger.warning(
+                    "keepalive: %d pipeline output(s) did not arrive within %gs of shutdown; "
+                    "rank %d may stay blocked in its send and be stopped by signal",
+                    self._outputs.pending, SHUTDOWN_SEND_S, self.output_rank)
             self._outputs.fail_all(ExecutorFailedError("keepalive executor is shut down"))
             self._outputs.stop()
         channel, steps = self._channel, self._steps

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -41,8 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from keepalive_executor.lifecycle import ExecutorFailedError
 from keepalive_executor.log import get_logger
-from keepalive_executor.rpc import RpcReply, serialize
+from keepalive_executor.rpc import RpcReply, WorkerRpcError, serialize
 
 __all__ = ["output_rank", "OutputLink", "OutputReceiver", "open_output_link"]
 
@@ -115,9 +117,11 @@ class _Expected:
 class OutputReceiver:
     """Thread ``keepalive-output-recv`` on rank 0: resolves expected steps in order.
 
-    ``expect(name)`` returns a Future that resolves with the output rank's reply value (or
-    raises its error); ``on_lost(reason)`` is called once if a reply cannot be received, and
-    the thread ends. ``fail_all(error)`` fails every expected future (the executor failed).
+    ``expect(name)`` returns a Future that resolves with the output rank's reply value.
+    ``on_lost(reason)`` (the executor's fail) is called once, and the thread ends, if a reply
+    cannot be received or if the output rank answers a step with an error: that step's
+    future then raises :class:`WorkerRpcError` naming the step and the rank, and every later
+    one fails. ``fail_all(error)`` fails every expected future (the executor failed).
     """
 
     def __init__(self, link: OutputLink, on_lost: Callable[[str], None]) -> None:
@@ -162,6 +166,22 @@ class OutputReceiver:
         for e in pending:
             _settle(e.future, error=error)
 
+    def drain(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` until every expected output has arrived; the thread
+        keeps receiving and the futures settle as usual. True if it drained; False on
+        timeout, or if the receiver failed or was stopped first.
+
+        Shutdown calls this before :meth:`fail_all`: an output rank whose output is never
+        received stays blocked in its send and never reads the SHUTDOWN broadcast."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._expected and self._failed is None and not self._stopping:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            return not self._expected and self._failed is None
+
     def stop(self) -> None:
         """End the thread once it is not receiving (shutdown)."""
         with self._cond:
@@ -180,19 +200,37 @@ class OutputReceiver:
                 reply = self._link.recv()
             except Exception as e:  # noqa: BLE001 - a lost peer or a timeout: fatal
                 if not self._stopping and self._failed is None:
-                    self._on_lost(f"the output of {name} from rank {self._link.src} (the "
-                                  f"last pipeline stage) did not arrive: {e}")
+                    reason = (f"the output of {name} from rank {self._link.src} (the "
+                              f"last pipeline stage) did not arrive: {e}")
+                    self._on_lost(reason)
+                    self._fail_rest(reason)
                 return
             with self._cond:
                 if not self._expected:
                     continue  # failed meanwhile
                 expected = self._expected.popleft()
+                self._cond.notify_all()  # drain() waits for the queue to empty
             if reply.ok:
                 _settle(expected.future, value=reply.value)
-            else:
-                from keepalive_executor.rpc import WorkerRpcError
+                continue
+            # The output rank failed this step, which every other stage ran (or raised in):
+            # the pipeline is out of step, and a later reply would be paired with the wrong
+            # step. Fatal: the executor fails before the engine sees this step's error, so
+            # the engine's next call is refused rather than broadcast.
+            reason = (f"{expected.name} failed on rank {reply.rank} (the output rank, last "
+                      f"pipeline stage): {reply.error}; the pipeline is out of step")
+            self._on_lost(reason)
+            self._fail_rest(reason)
+            _settle(expected.future, error=WorkerRpcError(expected.name, reply))
+            return
 
-                _settle(expected.future, error=WorkerRpcError(expected.name, reply))
+    def _fail_rest(self, reason: str) -> None:
+        """Fail every later expected future, in case ``on_lost`` did not (it normally calls
+        :meth:`fail_all` itself, with the executor's own error)."""
+        with self._cond:
+            failed = self._failed
+        if failed is None:
+            self.fail_all(ExecutorFailedError(f"keepalive executor failed: {reason}"))
 
 
 def _settle(future: Future, value: Any = None, error: BaseException | None = None) -> None:

@@ -410,6 +410,39 @@ def inprocess_rank_killed(model: str, fault_dir: str, backend: str = "keepalive"
     return result
 
 
+def pp_shutdown_in_flight(model: str, no_drain: bool = False) -> dict:
+    """-tp 1 -pp 2 in this process: put two batches in the pipeline as the engine's batch
+    queue holds them (200-token prefills in 64-token chunks), then shut the executor down before
+    their outputs arrived. ``no_drain``: the old order (test-only switch)."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    if no_drain:
+        os.environ["_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_SHUTDOWN_DRAIN"] = "1"
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(model, 1, "keepalive", pipeline_parallel_size=2,
+                              max_num_batched_tokens=64))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    before = len(llm.generate(PROMPTS[:2], params, use_tqdm=False))  # the pipeline works
+    core = llm.llm_engine.engine_core.engine_core
+    executor = core.model_executor
+    long_prompt = {"prompt_token_ids": [(i * 7) % 500 + 3 for i in range(200)]}
+    for i in range(2):
+        llm.llm_engine.add_request(f"in-flight-{i}", long_prompt, params)
+    core.step_with_batch_queue()  # schedules a batch and returns without waiting for it
+    # a second batch, as the engine's queue (size 2) would hold it: the engine's own next
+    # step would also wait for the first output, so its calls are made here instead
+    second = core.scheduler.schedule()
+    executor.execute_model(second, non_block=True)
+    executor.sample_tokens(None, non_block=True)
+    in_flight = executor._outputs.pending
+    t0 = time.monotonic()
+    executor.shutdown()
+    took = time.monotonic() - t0
+    codes = {w.rank: w.proc.exitcode for w in executor._ranks.workers}
+    return {"before": before, "in_flight": in_flight, "batch_queue": len(core.batch_queue),
+            "shutdown_s": took, "codes": {str(k): v for k, v in codes.items()}}
+
+
 if __name__ == "__main__":
     name, kwargs = sys.argv[1], json.loads(sys.argv[2])
     out = globals()[name](**kwargs)

@@ -36,6 +36,11 @@ CASES = [
      ["VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S='inf'", "not a finite number"]),
     # features keepalive refuses (mp runs them)
     ("data-parallel", {}, ["--data-parallel-size", "2"], ["--data-parallel-size=2"]),
+    # vLLM accepts an EC connector here; keepalive's PP path would drop its per-rank outputs
+    ("ec-with-pp", {}, ["-pp", "2", "--ec-transfer-config", json.dumps(
+        {"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+         "ec_connector_extra_config": {"shared_storage_path": "/tmp/keepalive-ec-unused"}})],
+     ["--pipeline-parallel-size=2", "--ec-transfer-config", "drop the flag, or use -pp 1"]),
     # vLLM refuses this one itself, before our check (mp-only); several nodes: torchrun mode
     ("nnodes", {}, ["--nnodes", "2"], ["nnodes > 1", "mp, uni or external_launcher"]),
 ]
@@ -66,7 +71,8 @@ def test_bad_setting_fails_in_the_front_end_naming_it(frontend_errors, case_id, 
         assert needle in out["error"], f"{needle!r} not in {out['error']!r}"
 
 
-@pytest.mark.parametrize("case_id", ["too-large", "failure-grace", "data-parallel"])
+@pytest.mark.parametrize("case_id", ["too-large", "failure-grace", "data-parallel",
+                                     "ec-with-pp"])
 def test_bad_setting_through_vllm_serve_exits_before_loading(tiny_model, case_id):
     _, extra_env, args, needles = next(c for c in CASES if c[0] == case_id)
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", tiny_model,

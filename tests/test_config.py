@@ -144,6 +144,7 @@ def test_unsupported_layouts_name_the_flag(kw, flag):
 
 
 @pytest.mark.parametrize("field, flag", [("kv_transfer_config", "--kv-transfer-config"),
+                                         ("ec_transfer_config", "--ec-transfer-config"),
                                          ("speculative_config", "--speculative-config")])
 def test_features_not_combined_with_pipeline_parallelism_name_the_flags(field, flag):
     config = cfg(pp=2)
