@@ -198,6 +198,30 @@ def inprocess_kill(model: str, backend: str, out: Path) -> dict:
     return _script("inprocess_rank_killed", backend, out, model=model)
 
 
+def inprocess_rpc_errors(model: str, backend: str, out: Path) -> dict:
+    """In the user's process: a __main__ function by collective_rpc, an error on every rank,
+    rank 0 raising before a collective the others entered (issue 14 items 9 and 2)."""
+    return _script("inprocess_rpc_errors", backend, out, model=model)
+
+
+def startup_death(model: str, backend: str, out: Path) -> dict:
+    """Rank 1 exits (code 3) after it was constructed, before the rendezvous (item 3)."""
+    stamp = out / f"death-{backend}"
+    t0 = time.monotonic()
+    try:
+        res = run_script("startup_death", timeout=300, backend=backend, model=model,
+                         stamp=str(stamp), extra_env={
+                             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                             "KEEPALIVE_DIE_BEFORE_RENDEZVOUS": "3",
+                             "KEEPALIVE_DEATH_STAMP": str(stamp),
+                             "PYTHONPATH": os.pathsep.join([str(HERE.parent / "tests"),
+                                                            os.environ.get("PYTHONPATH", "")])})
+    except Exception as e:  # noqa: BLE001 - a hang (timeout) or a crash is the figure
+        return {"failed": str(e).splitlines()[0][:200], "wall_s": round(time.monotonic() - t0, 1)}
+    res["error"] = res.get("error", "")[:300]
+    return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}
+
+
 def torchrun_frozen_rank(model: str, backend: str, out: Path) -> dict:
     """torchrun mode (keepalive only): rank 1 SIGSTOPped, so no socket closes."""
     if backend != "keepalive":
@@ -236,6 +260,8 @@ SCENARIOS = {
     "in-process: 4 holes": inprocess_holes,
     "in-process: rank killed mid-step": inprocess_kill,
     "torchrun: rank 1 frozen": torchrun_frozen_rank,
+    "in-process: rpc errors": inprocess_rpc_errors,
+    "start-up: rank 1 dies": startup_death,
 }
 
 

@@ -32,8 +32,10 @@ function :func:`decide` with an injectable clock:
 * **step timeout**: a step still inside after its deadline (``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``
   for model steps, the caller's ``timeout`` for ``collective_rpc``) fails the executor;
 * **give up**: a step still inside ``failure_grace`` seconds after a failure cannot finish;
-  the executor then gives it up (ends the engine process it owns, or, in a process it does not
-  own, fails the pending call; see :mod:`keepalive_executor.executor`).
+  the executor then gives it up: the pending call fails with the reason, wherever rank 0 is
+  blocked, since the whole step runs on rank 0's own thread and the caller only waits for it
+  (see :mod:`keepalive_executor.steps`). Start-up is watched the same way: rank 0's wait in
+  the rendezvous is a step, so a rank that dies there fails start-up within the grace.
 
 A rank that dies during a step makes that step's collectives impossible, so the grace only
 has to cover a step that had already passed its last collective when the rank died.

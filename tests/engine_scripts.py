@@ -100,14 +100,14 @@ def slow_start(model: str, timeout_s: int) -> dict:
             "elapsed_s": time.monotonic() - t0}
 
 
-def startup_death(model: str, stamp: str) -> dict:
+def startup_death(model: str, stamp: str, backend: str = "keepalive") -> dict:
     """Start TP=2 with rank 1 dying after ALIVE, before the rendezvous (see
     fault_injection.SlowStartCPUWorker): how long after the death start-up fails, and how."""
     set_binding(2)
     from vllm import LLM
 
     try:
-        LLM(**engine_kwargs(model, 2, "keepalive",
+        LLM(**engine_kwargs(model, 2, backend,
                             worker_cls="fault_injection.SlowStartCPUWorker"))
     except Exception as e:  # noqa: BLE001 - the test reads the message
         failed_at = time.time()
@@ -325,7 +325,7 @@ def rank0_fails_before_allreduce(worker: Any) -> int:
     return worker.rank
 
 
-def inprocess_rpc_errors(model: str, backend: str = "keepalive") -> dict:
+def inprocess_rpc_errors(model: str, backend: str = "keepalive", fault_dir: str = "") -> dict:
     """One in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), three checks, the fatal one
     last:
     1. a function defined in ``__main__`` after the engine started (a notebook's) runs on
