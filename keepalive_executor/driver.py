@@ -81,8 +81,9 @@ class DriverRank:
 
     def run_within(self, timeout_s: float | None, fn: Callable[..., Any], *args: Any,
                    **kwargs: Any) -> Any:
-        """:meth:`run`, waiting at most ``timeout_s`` (``TimeoutError`` after it: the call
-        may still run later, behind the one the thread is stuck in)."""
+        """:meth:`run`, waiting at most ``timeout_s`` (``TimeoutError`` after it). A call
+        whose wait ends early (a timeout, a ``KeyboardInterrupt``) before it began is
+        cancelled: it never runs."""
         future: Future = Future()
         with self._lock:
             if self._abandoned is not None:
@@ -91,6 +92,9 @@ class DriverRank:
         self._queue.put((fn, args, kwargs, future))
         try:
             return future.result(timeout_s)
+        except BaseException:
+            future.cancel()  # no effect once it runs
+            raise
         finally:
             with self._lock:
                 self._pending.discard(future)

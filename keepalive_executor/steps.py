@@ -61,7 +61,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from keepalive_executor.channel import ChannelError, PayloadTooLargeError
@@ -130,12 +130,50 @@ class StepBroken(Exception):
 
 @dataclass
 class _Step:
-    """One step's progress, as the failure rules read it."""
+    """One step's progress, as the failure rules read it. Written by the driver thread
+    (``started``..``finished``), read by the calling thread when it leaves the step."""
 
     name: str
+    started: bool = False  # the driver thread began the step's work
     sent: bool = False  # the broadcast is out: the other ranks run the step
     settled: bool = False  # every rank is known to be done with it
+    finished: bool = False  # the driver thread is done with the step, either way
+    cancelled: bool = False  # the caller left before the work began: it never will
     keep_pacer: bool = False  # the pacer token outlives the call (a pipeline step)
+    pacer_released: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def begin(self) -> bool:
+        """The driver thread's first act: False if the caller already left (do nothing)."""
+        with self.lock:
+            if self.cancelled:
+                return False
+            self.started = True
+            return True
+
+    def may_be_out_of_step(self) -> bool:
+        """The caller leaves with an exception: can the ranks be out of step? Yes once the
+        broadcast is out and not settled, and while the driver thread is still inside the
+        step's work (it may broadcast any moment); a step whose work has not begun is
+        cancelled (it never will)."""
+        with self.lock:
+            if self.settled:
+                return False
+            if self.sent:
+                return True
+            if self.finished or not self.started:
+                self.cancelled = True
+                return False
+            return True
+
+    def release_pacer(self, pacer: Pacer) -> None:
+        """End the step's pacer token, once (the caller and an output's arrival may race
+        after a give-up)."""
+        with self.lock:
+            if self.pacer_released:
+                return
+            self.pacer_released = True
+        pacer.finish_step()
 
 
 @dataclass
@@ -193,14 +231,14 @@ class StepRunner:
                 self._fail(broken.reason)
                 raise self._first_failure(broken)  # noqa: B904 - its cause is already set
             except BaseException as e:
-                if step.sent and not step.settled:
+                if step.may_be_out_of_step():
                     self._fail(f"{name} was interrupted on rank 0 by {type(e).__name__}: {e} "
                                "after the other ranks had received it; the ranks are out "
                                "of step")
                 raise
             finally:
                 if not step.keep_pacer:
-                    self._pacer.finish_step()
+                    step.release_pacer(self._pacer)
         finally:
             self._life.exit()
 
@@ -263,6 +301,16 @@ class StepRunner:
     def _run_step(self, step: _Step, req: RpcRequest, data: bytes, method: Any,
                   expect: Callable[[str], Future] | None = None) -> _Outcome:
         """Everything rank 0 does in a step, on the driver's thread, in order."""
+        if not step.begin():
+            return _Outcome()  # the caller was interrupted before this began: nothing sent
+        try:
+            return self._run_begun_step(step, req, data, method, expect)
+        finally:
+            with step.lock:
+                step.finished = True
+
+    def _run_begun_step(self, step: _Step, req: RpcRequest, data: bytes, method: Any,
+                        expect: Callable[[str], Future] | None) -> _Outcome:
         self._send(step, data)
         if req.replies is Replies.ALL:
             return self._rank0_with_replies(step, req, method)
@@ -272,7 +320,7 @@ class StepRunner:
             # broadcast order. From here the output's arrival ends the pacer token.
             outcome.value = future = expect(step.name)
             step.keep_pacer = True
-            future.add_done_callback(lambda _: self._pacer.finish_step())
+            future.add_done_callback(lambda _: step.release_pacer(self._pacer))
             self._rank0_part(step, method, req)  # stage 0's own result is not the step's
         else:
             outcome.value = self._rank0_part(step, method, req)
