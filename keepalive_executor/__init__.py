@@ -2,16 +2,25 @@
 
 The driver (rank 0) runs in the engine process; ranks 1..N-1 wait indefinitely on the
 driver's broadcast, and a pacer sends no-op keepalives while the engine is idle so the
-collective never times out. Layout:
+collective never times out. Layout (one module, one role):
 
 * :mod:`~keepalive_executor.plugin`      registration of the ``keepalive`` backend name
 * :mod:`~keepalive_executor.config`      settings and their start-up validation
 * :mod:`~keepalive_executor.channel`     framing and the broadcast channel (wire format)
+* :mod:`~keepalive_executor.rpc`         call envelopes, replies and the reply gather
 * :mod:`~keepalive_executor.pacer`       the idle/busy state machine and its thread
-* :mod:`~keepalive_executor.rpc`         requests, replies and the reply gather
+* :mod:`~keepalive_executor.lifecycle`   the executor's states and the step watch
+* :mod:`~keepalive_executor.steps`       one step on the channel, top-down
+* :mod:`~keepalive_executor.driver`      rank 0's worker, on a thread of its own
+* :mod:`~keepalive_executor.outputs`     pipeline parallelism: the last stage's outputs
+* :mod:`~keepalive_executor.connectors`  KV/EC connector outputs merged from every rank
+* :mod:`~keepalive_executor.ranks`       where ranks 1..N-1 come from (one interface)
+* :mod:`~keepalive_executor.launcher`    spawned worker processes: start, ready, watch, stop
 * :mod:`~keepalive_executor.executor`    the vLLM ``Executor`` (driver side)
 * :mod:`~keepalive_executor.worker_loop` the receive loop of ranks 1..N-1
-* :mod:`~keepalive_executor.launcher`    worker processes: start, ready, watch, stop
+* :mod:`~keepalive_executor.exit_codes`, :mod:`~keepalive_executor.log`
+* :mod:`~keepalive_executor.torchrun`    torchrun mode: env, signed bootstrap, liveness,
+  ranks, CLI (``python -m keepalive_executor`` is :mod:`~keepalive_executor.__main__`)
 """
 
 __version__ = "0.1.0"

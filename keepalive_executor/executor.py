@@ -153,6 +153,8 @@ class KeepaliveExecutor(Executor):
         self._watch: StepWatch | None = None
         self._outputs: OutputReceiver | None = None
         self._pp_sample: Future | None = None
+        #: every other rank's exit code, once shutdown reaped them (spawned ranks only)
+        self.worker_exit_codes: dict[int, int | None] = {}
         self.world_size = self.parallel_config.world_size
         self.output_rank = output_rank(self.parallel_config)
         self._pp = self.parallel_config.pipeline_parallel_size > 1
@@ -449,6 +451,7 @@ class KeepaliveExecutor(Executor):
         if not failed and channel is not None and steps is not None and not channel.closed:
             steps.send_shutdown(channel.send_shutdown, SHUTDOWN_SEND_S)
         codes = self._ranks.stop(failed=failed) if self._ranks is not None else {}
+        self.worker_exit_codes = codes
         if self._driver is not None:
             # Bounded: after a failure rank 0's thread may be stuck in a step that was
             # interrupted or given up; its clean-up is then best effort, within the grace.

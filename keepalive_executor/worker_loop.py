@@ -52,11 +52,17 @@ from keepalive_executor.rpc import (
 )
 
 __all__ = [
+    "KEEPALIVES_RECEIVED",
     "receive_loop", "name_process", "bind_threads", "run_worker", "worker_main",
     "WorkerStepError",
 ]
 
 logger = get_logger(__name__)
+
+
+#: Keepalives this process's receive loop has seen so far (one loop per process), for
+#: observability: a ``collective_rpc`` can read it on every rank.
+KEEPALIVES_RECEIVED = [0]
 
 
 class WorkerStepError(RuntimeError):
@@ -94,6 +100,7 @@ def receive_loop(
         msg = channel.recv()
         if msg.kind is MessageKind.KEEPALIVE:
             keepalives += 1
+            KEEPALIVES_RECEIVED[0] += 1
             continue
         if msg.kind is MessageKind.SHUTDOWN:
             logger.info("rank %d: SHUTDOWN from the driver after %d keepalives", rank, keepalives)

@@ -134,17 +134,20 @@ async def _stream(engine: Any, prompt: str, rid: str, max_tokens: int,
     return {"tokens": tokens, "chunks": chunks}
 
 
-def async_engine(model: str, idle_s: float, timeout_s: int) -> dict:
-    """AsyncLLMEngine: concurrent streams, an abort, an idle past the timeout, more, shutdown."""
+def async_engine(model: str, idle_s: float, timeout_s: int, transport: str = "device") -> dict:
+    """AsyncLLMEngine: concurrent streams, an abort, an idle past the timeout of the group the
+    channel is on (``transport``), more, shutdown."""
     set_binding(2)
     import psutil
     from vllm import AsyncEngineArgs, AsyncLLMEngine
 
-    args = AsyncEngineArgs(**engine_kwargs(model, 2, "keepalive",
-                                           distributed_timeout_seconds=timeout_s))
+    timeout = ({"distributed_timeout_seconds": timeout_s} if transport == "device"
+               else {"cpu_distributed_timeout_seconds": timeout_s})
+    args = AsyncEngineArgs(**engine_kwargs(model, 2, "keepalive", **timeout))
     engine = AsyncLLMEngine.from_engine_args(args)
     me = psutil.Process()
-    result: dict[str, Any] = {"children_running": len(me.children(recursive=True))}
+    result: dict[str, Any] = {"workers_running": [
+        p.name() for p in me.children(recursive=True) if "KeepaliveWorker_TP1" in p.name()]}
 
     async def run() -> None:
         first = await asyncio.gather(
@@ -153,9 +156,10 @@ def async_engine(model: str, idle_s: float, timeout_s: int) -> dict:
         )
         result["first"] = [r["tokens"] for r in first[:-1]]
         result["aborted_chunks"] = first[-1]["chunks"]
-        t0 = time.monotonic()
+        before = await engine.collective_rpc(keepalives_received)
         await asyncio.sleep(idle_s)
-        result["idle_s"] = time.monotonic() - t0
+        after = await engine.collective_rpc(keepalives_received)
+        result["keepalives_during_idle"] = after[1] - before[1]  # as rank 1 saw them
         second = await asyncio.gather(
             *[_stream(engine, p, f"b{i}", 16) for i, p in enumerate(PROMPTS)]
         )
@@ -182,6 +186,14 @@ def _engine_children(me: Any) -> list[str]:
         if "resource_tracker" not in cmd:
             out.append(f"{c.pid} {cmd[:120]}")
     return out
+
+
+def keepalives_received(worker: Any) -> int | None:
+    """collective_rpc callable: the keepalives this rank's receive loop has seen (None on
+    rank 0, which sends them)."""
+    from keepalive_executor.worker_loop import KEEPALIVES_RECEIVED
+
+    return None if worker.rank == 0 else KEEPALIVES_RECEIVED[0]
 
 
 def echo_len(worker: Any, data: Any) -> int:
@@ -307,9 +319,11 @@ def inprocess_holes(model: str, fault_dir: str, backend: str = "keepalive") -> d
     except Exception as e:  # noqa: BLE001
         result["next_error"] = f"{type(e).__name__}: {e}"
     result["next_error_s"] = time.monotonic() - t0
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
     t0 = time.monotonic()
     llm.llm_engine.engine_core.shutdown()
     result["shutdown_s"] = time.monotonic() - t0
+    result["worker_exit_codes"] = getattr(executor, "worker_exit_codes", None)
     return result
 
 
@@ -341,7 +355,25 @@ def inprocess_rpc_errors(model: str, backend: str = "keepalive", fault_dir: str 
     gen = lambda: [list(o.outputs[0].token_ids)  # noqa: E731
                    for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     result: dict[str, Any] = {}
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
     before = gen()
+    if backend == "keepalive":
+        # one broadcast per fused decode step: count the frames of one greedy request
+        steps = {"n": 0}
+        execute = executor.execute_model
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            steps["n"] += 1
+            return execute(*args, **kwargs)
+
+        executor.execute_model = counting
+        seq, keepalives = executor._channel._next_seq, executor._pacer.keepalives_sent
+        llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16,
+                                                 ignore_eos=True), use_tqdm=False)
+        frames = executor._channel._next_seq - seq
+        result["steps"] = steps["n"]
+        result["step_broadcasts"] = frames - (executor._pacer.keepalives_sent - keepalives)
+        executor.execute_model = execute
     main = sys.modules["__main__"].__dict__
     exec("def notebook_fn(worker):\n    return ('notebook', worker.rank)\n", main)
     try:
@@ -361,17 +393,46 @@ def inprocess_rpc_errors(model: str, backend: str = "keepalive", fault_dir: str 
     except Exception as e:  # noqa: BLE001
         result["rank0_error"] = f"{type(e).__name__}: {e}"
     result["rank0_error_s"] = time.monotonic() - t0
-    t0 = time.monotonic()
-    try:
-        gen()
-        result["next_error"] = None
-    except Exception as e:  # noqa: BLE001
-        result["next_error"] = f"{type(e).__name__}: {e}"
-    result["next_error_s"] = time.monotonic() - t0
-    t0 = time.monotonic()
-    llm.llm_engine.engine_core.shutdown()
-    result["shutdown_s"] = time.monotonic() - t0
+    # bounded, so that an executor that hangs here (mp does: rank 1 is stuck in the
+    # all-reduce) still yields its figures
+    result["next_error"], result["next_error_s"] = _bounded(gen, 30)
+    _, result["shutdown_s"] = _bounded(llm.llm_engine.engine_core.shutdown, 30)
+    result["worker_exit_codes"] = getattr(executor, "worker_exit_codes", None)
+    if "hung" in (result["next_error"] or "") or result["shutdown_s"] >= 30:
+        _end_hung(result)
     return result
+
+
+def _bounded(fn: Any, bound_s: float) -> tuple[str | None, float]:
+    """Run ``fn`` on a daemon thread for at most ``bound_s``: (its error or None, or
+    "hung ..." if it did not return; seconds)."""
+    import threading
+
+    outcome: list[str | None] = []
+
+    def run() -> None:
+        try:
+            fn()
+            outcome.append(None)
+        except Exception as e:  # noqa: BLE001 - the caller reads the message
+            outcome.append(f"{type(e).__name__}: {e}")
+
+    t0 = time.monotonic()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound_s)
+    took = time.monotonic() - t0
+    return (outcome[0] if outcome else f"hung: no return within {bound_s:g}s"), took
+
+
+def _end_hung(result: dict) -> None:
+    """Print the result and end this process and its children now (a call is still hung)."""
+    import psutil
+
+    print("RESULT " + json.dumps(result), flush=True)
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os._exit(0)
 
 
 def inprocess_rank_killed(model: str, fault_dir: str, backend: str = "keepalive") -> dict:
@@ -406,7 +467,6 @@ def inprocess_rank_killed(model: str, fault_dir: str, backend: str = "keepalive"
     except Exception as e:  # noqa: BLE001
         result["later_error"] = f"{type(e).__name__}: {e}"
     result["later_error_s"] = time.monotonic() - t0
-    result["alive_after"] = True  # this line runs only if the process was not ended
     return result
 
 

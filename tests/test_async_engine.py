@@ -9,14 +9,22 @@ IDLE_S = 12.0  # well past the 5 s timeout: only the keepalive keeps the worker'
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("multiprocessing", ["1", "0"], ids=["engine-core-process", "in-process"])
-def test_async_engine_streams_abort_idle_shutdown(tiny_model, multiprocessing):
+@pytest.mark.parametrize("multiprocessing,transport", [("1", "device"), ("0", "cpu")],
+                         ids=["engine-core-process", "in-process-cpu-transport"])
+def test_async_engine_streams_abort_idle_shutdown(tiny_model, multiprocessing, transport):
+    """The second variant also runs the channel on the gloo CPU group
+    (``VLLM_KEEPALIVE_TRANSPORT=cpu``), whose timeout is --cpu-distributed-timeout-seconds:
+    the idle outlasts that one."""
     res = run_script("async_engine", model=tiny_model, idle_s=IDLE_S, timeout_s=TIMEOUT_S,
-                     extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing})
-    assert res["children_running"] >= 1  # the worker (and the engine core, when separate)
+                     transport=transport,
+                     extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing,
+                                "VLLM_KEEPALIVE_TRANSPORT": transport})
+    assert len(res["workers_running"]) == 1, res["workers_running"]  # rank 1's process
     assert all(len(t) == 16 for t in res["first"])
     assert 3 <= res["aborted_chunks"] < 200
-    assert res["idle_s"] >= IDLE_S
+    # the idle lasted 12 s at an interval of 1.25 s (timeout 5 s / 4): rank 1 received the
+    # keepalives that kept its wait alive (without them it times out: test_serve's control)
+    assert res["keepalives_during_idle"] >= IDLE_S / (TIMEOUT_S / 4) - 2, res
     # same greedy answers after the idle as before it
     assert res["second"] == res["first"]
     assert res["children_left"] == []

@@ -34,6 +34,10 @@ CASES = [
      ["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS='0'", "must be positive"]),
     ("liveness-timeout", {"VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S": "inf"}, [],
      ["VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S='inf'", "not a finite number"]),
+    ("inline-bytes", {"VLLM_KEEPALIVE_INLINE_BYTES": "16k"}, [],
+     ["VLLM_KEEPALIVE_INLINE_BYTES='16k'", "non-negative integer number of bytes"]),
+    ("max-payload", {"VLLM_KEEPALIVE_MAX_PAYLOAD_BYTES": "-1"}, [],
+     ["VLLM_KEEPALIVE_MAX_PAYLOAD_BYTES='-1'", "non-negative integer number of bytes"]),
     # features keepalive refuses (mp runs them)
     ("data-parallel", {}, ["--data-parallel-size", "2"], ["--data-parallel-size=2"]),
     # vLLM accepts an EC connector here; keepalive's PP path would drop its per-rank outputs

@@ -129,5 +129,6 @@ def test_unpicklable_object_raises_serialization_error():
         serialize(threading.Lock())
 
 
-def test_default_inline_capacity_is_positive():
-    assert DEFAULT_INLINE_BYTES > 0
+def test_default_inline_capacity_is_the_documented_16_kib():
+    """docs/design.md and docs/usage.md give 16384 bytes (one collective per decode step)."""
+    assert DEFAULT_INLINE_BYTES == 16384

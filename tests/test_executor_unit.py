@@ -258,7 +258,9 @@ class ExecutorMachine(RuleBasedStateMachine):
             raise RuntimeError("gloo: connection closed by peer")
         if mode == "times-out":
             assert timeout_s is not None, "a gather that must time out got no deadline"
-            self.clock.now += timeout_s  # gloo waits until the deadline, then raises
+            # gloo waits until the deadline, then raises; its timer counts whole
+            # milliseconds, so it may fire a hair before the deadline by the executor's clock
+            self.clock.now += timeout_s - 0.0005
             raise RuntimeError("gloo: timed out waiting for peers")
         replies = [mine]
         for r in range(1, WORLD):

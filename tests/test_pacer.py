@@ -226,3 +226,31 @@ def test_stop_is_bounded_and_steps_never_wait_while_a_keepalive_send_blocks():
     time.sleep(0.1)
     assert pacer.keepalives_sent <= sent_before + 1  # at most the send already under way
     assert pacer.stop(timeout=5) is True
+
+
+def test_a_step_beginning_while_a_keepalive_is_sent_broadcasts_after_it():
+    """Guarantee 1 with the real thread and the real send lock, as the executor wires them:
+    the pacer decides "idle, due" and sends under the channel's send lock, so a step that
+    begins meanwhile broadcasts only after the keepalive is out (it never lands inside the
+    step). The send below holds the window open until the step has begun and reached for the
+    lock; a pacer that sent outside the lock would let the step's frame go first."""
+    lock = threading.RLock()
+    frames: list[str] = []
+    in_send, step_reaching = threading.Event(), threading.Event()
+
+    def send() -> None:
+        in_send.set()
+        assert step_reaching.wait(10)
+        time.sleep(0.05)  # the step now waits for the lock (or, wrongly, sends)
+        frames.append("keepalive")
+
+    pacer = Pacer(0.01, send, send_lock=lock)
+    pacer.start()
+    assert in_send.wait(30)
+    pacer.begin_step()
+    step_reaching.set()
+    with lock:  # what BroadcastChannel.send takes
+        frames.append("work")
+    pacer.finish_step()
+    pacer.stop()
+    assert frames[:2] == ["keepalive", "work"], frames

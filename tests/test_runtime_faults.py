@@ -22,15 +22,16 @@ def test_oversize_and_unpicklable_arguments_fail_cleanly_and_channel_stays_in_sy
 
 @pytest.mark.slow
 def test_stall_inside_a_step_short_survives_long_fails_clearly(tiny_model):
-    # 9 s: past the 6 s timeout of the group rank 1 waits on, and within the executor's
-    # 5 s failure grace after rank 1 gives up, so the driver's call returns its own error
+    # 9 s: past the 6 s timeout of the group rank 1 waits on. Rank 1's reply gather times
+    # out at 6 s and rank 1 exits; rank 0 is still asleep inside the call, so the call is
+    # given up 0.5 s (the failure grace) after rank 1's death: the caller's error names the
+    # death, and arrives after rank 1's timeout and before rank 0's 9 s would have ended.
     res = run_script("step_stall", model=tiny_model, short_s=3.0, long_s=9.0, cpu_timeout_s=6)
     assert res["short"] == [0, 1]
     assert res["generate_after_short"] == 4
-    # rank 1's reply gather times out after 6 s and rank 1 exits; the driver's gather then
-    # fails at once, and the caller gets an error naming the failed collective
-    assert res["long_error"] is not None
-    assert res["long_elapsed_s"] < 30.0
+    assert res["long_error"] is not None and "worker rank 1" in res["long_error"], res
+    assert "still inside sleep_on_rank0" in res["long_error"], res
+    assert 6.0 <= res["long_elapsed_s"] < 8.5, res
 
 
 def test_worker_slower_to_start_than_the_collective_timeout_still_starts(tiny_model):
@@ -79,8 +80,10 @@ def test_in_process_holes_undecodable_call_concurrent_rpc_and_a_rank0_step_error
     assert "out of step" in res["next_error"]
     assert res["next_error_s"] < 5
     # 4. rank 1 is stuck in that step's collective; its death pipe is closed first, so
-    #    shutdown does not wait out a grace period and SIGTERM escalation (about 9 s)
+    #    shutdown does not wait out a grace period and SIGTERM escalation (about 9 s), and
+    #    rank 1 leaves with the exit code the docs name for it (2: its parent let it go)
     assert res["shutdown_s"] < 4, res["shutdown_s"]
+    assert res["worker_exit_codes"] == {"1": 2}, res["worker_exit_codes"]
 
 
 @pytest.mark.slow
@@ -94,10 +97,12 @@ def test_in_process_rank_killed_mid_step_fails_the_call_and_the_process_lives(ti
     res = run_script("inprocess_rank_killed", model=tiny_model, fault_dir=str(fault_dir),
                      extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
                                 "KEEPALIVE_FAULT_DIR": str(fault_dir)})
-    assert res["victim_killed"] and res["alive_after"]
+    # (the RESULT itself, with later_error measured after the failure, shows the process
+    # lived on: run_script fails if the script dies before printing it)
+    assert res["victim_killed"]
     assert res["error"] is not None and "worker rank 1" in res["error"], res
     assert "died unexpectedly" in res["error"] and "still inside execute_model" in res["error"]
-    assert res["error_s"] < 10, res  # the grace is 0.5 s; a hang would be forever
+    assert res["error_s"] < 2.0, res  # observed 0.64 s: the grace is 0.5 s
     assert "keepalive executor failed" in res["later_error"] and res["later_error_s"] < 5
 
 
@@ -105,22 +110,28 @@ def test_in_process_rank_killed_mid_step_fails_the_call_and_the_process_lives(ti
 def test_in_process_rpc_errors_notebook_function_in_step_error_and_rank0_error_before_a_collective(
         tiny_model):
     """Issue 14 items 9 and 2 in one in-process engine (the fatal check last)."""
+    # a failure grace other than the default, so the figure shows the setting is honoured
     res = run_script("inprocess_rpc_errors", model=tiny_model, extra_env={
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH})
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
+        "VLLM_KEEPALIVE_FAILURE_GRACE_S": "1.5"})
+    # the fused decode step is one broadcast: 16 greedy tokens, 16 steps, 16 frames
+    assert res["steps"] == 16 and res["step_broadcasts"] == 16, res
     # 9. a function the other ranks cannot import travels by value, as under mp
     assert res["notebook"] == [["notebook", 0], ["notebook", 1]], res["notebook"]
     # an error on every rank keeps the ranks in step: rank 0's error, the engine usable
     assert "no_such_method_anywhere" in res["missing_everywhere"], res
     assert res["same_after_missing"]
-    # 2. rank 0 raised before an all-reduce rank 1 entered: rank 0's own error at once
-    #    (the 0.5 s failure grace for rank 1 to reply, not the 60 s call timeout nor
-    #    gloo's 1800 s), then every call is refused naming the method and the error
+    # 2. rank 0 raised before an all-reduce rank 1 entered: rank 0's own error once the
+    #    failure grace (1.5 s here) for rank 1 to reply has run out, not after the 60 s call
+    #    timeout nor gloo's 1800 s; then every call is refused naming the method and error
     assert res["rank0_error"].startswith("ValueError: rank 0 refused the new weights"), res
-    assert res["rank0_error_s"] < 3, res
+    assert 1.5 <= res["rank0_error_s"] < 3.5, res
     assert "keepalive executor failed: collective_rpc('rank0_fails_before_allreduce') " \
-        "raised on rank 0 (ValueError: rank 0 refused the new weights)" in res["next_error"]
+        "raised on rank 0 (ValueError: rank 0 refused the new weights) and the other ranks " \
+        "did not reply within 1.5s (VLLM_KEEPALIVE_FAILURE_GRACE_S)" in res["next_error"]
     assert res["next_error_s"] < 1, res
     assert res["shutdown_s"] < 4, res  # rank 1 is stuck in its all-reduce: death pipe first
+    assert res["worker_exit_codes"] == {"1": 2}, res["worker_exit_codes"]
 
 
 @pytest.mark.parametrize("early_watch", [True, False], ids=["watched", "control-late-watch"])
@@ -140,7 +151,9 @@ def test_a_worker_dying_before_the_rendezvous_fails_start_up_within_a_second(
     assert not res["started"]
     if early_watch:
         assert "worker rank 1" in res["error"] and "exit code 3" in res["error"], res
-        assert res["after_death_s"] < 2.0, res
+        # observed 1.0-1.7 s (the 0.5 s grace, then vLLM's own error path); a loaded
+        # machine needs the margin, and the control's 12 s cannot pass
+        assert res["after_death_s"] < 3.0, res
     else:
         assert "did not return within 12s (VLLM_KEEPALIVE_STARTUP_TIMEOUT_S)" in res["error"]
         assert res["after_death_s"] > 10, res
