@@ -162,7 +162,6 @@ def test_kv_connector_outputs_are_merged_from_every_rank_as_mp_does(kv):
     assert ka["fault_fired"] and mp["fault_fired"]
     computed, loaded, failed_on_rank1 = (run["ids"] for run in ka["runs"])
     assert ka["runs"][1]["cached"] > 0  # loaded back from the connector's files
-    assert mp["runs"][1]["cached"] > 0
     assert loaded == computed
     # rank 1's load failure reached the scheduler, which recomputed those blocks
     assert failed_on_rank1 == computed
