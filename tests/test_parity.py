@@ -1,6 +1,10 @@
 """A drop-in for vLLM's ``mp``: every feature that works with ``mp`` gives the same outputs
-with ``keepalive``, in the same test. Both executors run side by side (the comparisons are of
-outputs, not times), one engine for every feature that can share it.
+with ``keepalive``. The ``mp`` (and TP=1) side of each comparison is a reference output that
+depends only on the environment: it is computed once per environment by
+scripts/make_references.py and cached in tests/references/ (run_engine.Reference). When the
+cached file's key matches this environment only the keepalive engine starts; otherwise the
+reference runs live beside it, as it always did, and its file is rewritten. The test output
+says which ("reference NAME: cached (key ...)" or "... live (key mismatch: PART)").
 
 Features that fail under ``mp`` on this CPU build too are not tested here (see
 docs/usage.md's feature table); features keepalive refuses are in tests/test_bad_config.py.
@@ -10,38 +14,72 @@ from __future__ import annotations
 
 import json
 import re
-import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
-from parity_scripts import CHOICES, JSON_SCHEMA, REGEX, STRUCTURED_CONFIG
-from run_engine import PYTHONPATH, run_scripts
-from servers import Server
+from parity_scripts import CHOICES, JSON_SCHEMA, REFERENCES, REGEX
+from run_engine import (
+    REFERENCE_DIR,
+    Reference,
+    parity_call,
+    reference_call,
+    reference_key,
+    run_scripts,
+    with_references,
+)
 
-pytestmark = pytest.mark.slow
-BACKENDS = ("keepalive", "mp")
-
+slow = pytest.mark.slow
 
 NO_MERGE = "keepalive-rank0-only"  # the negative control of the KV connector tests
 
+#: the references each group of parity tests compares with (every one of REFERENCES)
+COMPARED = {"offline": ["offline_features"], "spec": ["spec_decode"], "kv": ["kv_connector"],
+            "lora": ["lora_serve"], "pooling": ["pooling_serve"],
+            "pipeline_tp1_pp2": ["pipeline_tp1_pp2_mp", "pipeline_tp1"],
+            "pipeline_tp2_pp2": ["pipeline_tp2_pp2_mp"]}
 
-def both(tmp_path_factory, name: str, negative_control: bool = False, **kw) -> dict:
-    """Run parity_scripts.NAME under keepalive and mp at once: {backend: result}; with
-    ``negative_control`` also keepalive with the connector-output merge switched off."""
-    runs = [*BACKENDS, *([NO_MERGE] if negative_control else [])]
-    calls = []
-    for run in runs:
-        work = tmp_path_factory.mktemp(f"{name}-{run}")
-        (work / "faults").mkdir()
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
-               "KEEPALIVE_FAULT_DIR": str(work / "faults")}
-        if run == NO_MERGE:
-            env["_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_CONNECTOR_MERGE"] = "1"
-        calls.append(dict(name=name, script="parity_scripts.py", extra_env=env,
-                          backend="keepalive" if run == NO_MERGE else run,
-                          **{k: (str(work) if v == "WORKDIR" else
-                                 str(work / "faults") if v == "FAULTDIR" else v)
-                             for k, v in kw.items()}))
-    return dict(zip(runs, run_scripts(*calls), strict=True))
+
+class ReferenceNote(UserWarning):
+    """Where a comparison's reference came from (cached, or live and why)."""
+
+
+def say(message: str) -> None:
+    """Print MESSAGE and show it in pytest's warnings summary (visible without -s)."""
+    print(message)
+    warnings.warn(message, ReferenceNote, stacklevel=2)
+
+
+def references(tmp_path_factory: pytest.TempPathFactory, model: str,
+               names: list[str]) -> list[Reference]:
+    """Look up the cached references NAMES (each a REFERENCES entry), with the call that runs
+    one live in a fresh directory."""
+    return [Reference.look_up(n, reference_call(REFERENCES[n], model,
+                                                tmp_path_factory.mktemp(f"{n}-ref")), model)
+            for n in names]
+
+
+def keepalive_call(tmp_path_factory: pytest.TempPathFactory, model: str, reference: str,
+                   run: str = "keepalive", extra_env: dict | None = None, **change) -> dict:
+    """The call of REFERENCE (a REFERENCES entry) with the keepalive backend (and CHANGE)."""
+    spec = {**REFERENCES[reference], "backend": "keepalive", **change}
+    return parity_call(model=model, work=tmp_path_factory.mktemp(f"{reference}-{run}"),
+                       extra_env=extra_env, **spec)
+
+
+def both(tmp_path_factory: pytest.TempPathFactory, model: str, group: str,
+         negative_control: bool = False, run: Callable[..., list[dict]] = run_scripts) -> dict:
+    """keepalive live and GROUP's reference (cached, or live beside it): {backend: result};
+    with ``negative_control`` also keepalive with the connector-output merge switched off."""
+    [name] = COMPARED[group]
+    live = [keepalive_call(tmp_path_factory, model, name)]
+    if negative_control:
+        live.append(keepalive_call(tmp_path_factory, model, name, run=NO_MERGE, extra_env={
+            "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_CONNECTOR_MERGE": "1"}))
+    got, [ref] = with_references(live, references(tmp_path_factory, model, [name]), run=run,
+                                 say=say)
+    return {"keepalive": got[0], "mp": ref, **({NO_MERGE: got[1]} if negative_control else {})}
 
 
 # ---------------------------------------------------------------- offline, one engine each
@@ -49,7 +87,7 @@ def both(tmp_path_factory, name: str, negative_control: bool = False, **kw) -> d
 
 @pytest.fixture(scope="module")
 def offline(tiny_model, tmp_path_factory):
-    return both(tmp_path_factory, "offline_features", model=tiny_model, workdir="WORKDIR")
+    return both(tmp_path_factory, tiny_model, "offline")
 
 
 OFFLINE = ["greedy", "logprobs", "prompt_logprobs", "seeded_n3", "max_tokens_1",
@@ -60,11 +98,13 @@ OFFLINE = ["greedy", "logprobs", "prompt_logprobs", "seeded_n3", "max_tokens_1",
            "after_sleep_wake"]
 
 
+@slow
 @pytest.mark.parametrize("feature", OFFLINE)
 def test_offline_feature_gives_the_same_outputs_as_mp(offline, feature):
     assert offline["keepalive"][feature] == offline["mp"][feature]
 
 
+@slow
 def test_offline_features_took_effect(offline):
     """The equalities above are not vacuous: each feature did what it is for."""
     r = offline["keepalive"]
@@ -92,14 +132,16 @@ def test_offline_features_took_effect(offline):
 
 @pytest.fixture(scope="module")
 def spec(tiny_model, tmp_path_factory):
-    return both(tmp_path_factory, "spec_decode", model=tiny_model)
+    return both(tmp_path_factory, tiny_model, "spec")
 
 
+@slow
 def test_ngram_speculative_decoding_gives_the_same_outputs_as_mp(spec):
     ka, mp = spec["keepalive"], spec["mp"]
     assert ka["greedy"] == mp["greedy"] and ka["with_structured"] == mp["with_structured"]
     # drafts reached the scheduler (take_draft_token_ids every step) and some were accepted
     assert ka["draft_tokens"] > 0 and ka["accepted_tokens"] > 0
+    assert mp["draft_tokens"] > 0 and mp["accepted_tokens"] > 0  # the reference's too
     assert re.fullmatch(REGEX, ka["with_structured"][0])
 
 
@@ -110,10 +152,10 @@ def test_ngram_speculative_decoding_gives_the_same_outputs_as_mp(spec):
 def kv(tiny_model, tmp_path_factory):
     """keepalive, mp, and (negative control) keepalive passing on rank 0's connector output
     alone, as the executor did before: all three side by side."""
-    return both(tmp_path_factory, "kv_connector", model=tiny_model, workdir="WORKDIR",
-                fault_dir="FAULTDIR", negative_control=True)
+    return both(tmp_path_factory, tiny_model, "kv", negative_control=True)
 
 
+@slow
 def test_kv_connector_outputs_are_merged_from_every_rank_as_mp_does(kv):
     ka, mp = kv["keepalive"], kv["mp"]
     assert ka["runs"] == mp["runs"]
@@ -130,6 +172,7 @@ def test_kv_connector_outputs_are_merged_from_every_rank_as_mp_does(kv):
     assert any(".tp1." in f or f.startswith("tp1") for f in ka["files"]), ka["files"]
 
 
+@slow
 def test_negative_control_rank0_connector_output_alone_goes_wrong(kv):  # noqa: D401
     """What the executor did before: rank 0's output alone. Rank 1's load failure is lost
     (it attends to zeroed KV, so the answer changes), and its finished reports too (blocks
@@ -143,69 +186,9 @@ def test_negative_control_rank0_connector_output_alone_goes_wrong(kv):  # noqa: 
 # ---------------------------------------------------------------- through vllm serve
 
 
-def _servers(tiny_model, tmp_path, name: str, extra_args: list[str]) -> dict[str, Server]:
-    servers = {b: Server(tiny_model, tmp_path / f"{name}-{b}.log", backend=b,
-                         extra_args=["--dtype", "float32", *extra_args])
-               for b in BACKENDS}
-    errors = []
-
-    def ready(s: Server) -> None:
-        try:
-            s.wait_ready()
-        except AssertionError as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=ready, args=(s,)) for s in servers.values()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for s in servers.values():
-            s.stop()
-        raise errors[0]
-    return servers
-
-
-def _lora_and_structured_answers(server: Server) -> dict:
-    client = server.client()
-    out: dict = {}
-    for model in ("tiny", "ad1", "ad2"):  # one at a time: never base and LoRA in one batch
-        out[model] = client.completions.create(model=model, prompt="Hello, my name is",
-                                               max_tokens=16, temperature=0).choices[0].text
-    specs = [{"json": JSON_SCHEMA}, {"regex": REGEX}, {"choice": CHOICES}, None, None]
-    results: dict[int, str] = {}
-
-    def stream(i: int, so: dict | None) -> None:
-        extra = {"structured_outputs": so} if so else {"ignore_eos": True}
-        pieces = [c.choices[0].text for c in client.completions.create(
-            model="tiny", prompt="The capital of France is", max_tokens=60 if so else 20,
-            temperature=0, stream=True, extra_body=extra)]
-        results[i] = "".join(pieces)
-
-    threads = [threading.Thread(target=stream, args=(i, so)) for i, so in enumerate(specs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    out["structured_streams"] = [results.get(i) for i in range(len(specs))]
-    return out
-
-
-def test_lora_and_streamed_structured_outputs_through_vllm_serve(tiny_model, tmp_path):
-    from tiny_model import build_tiny_lora
-
-    ad1 = build_tiny_lora(tmp_path / "ad1", tiny_model, seed=1)
-    ad2 = build_tiny_lora(tmp_path / "ad2", tiny_model, seed=2)
-    servers = _servers(tiny_model, tmp_path, "lora", [
-        "--structured-outputs-config", json.dumps(STRUCTURED_CONFIG),
-        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-        "--lora-modules", f"ad1={ad1}", f"ad2={ad2}"])
-    try:
-        answers = {b: _lora_and_structured_answers(s) for b, s in servers.items()}
-    finally:
-        for s in servers.values():
-            s.stop()
+@slow
+def test_lora_and_streamed_structured_outputs_through_vllm_serve(tiny_model, tmp_path_factory):
+    answers = both(tmp_path_factory, tiny_model, "lora")
     ka, mp = answers["keepalive"], answers["mp"]
     assert ka == mp
     assert len({ka["tiny"], ka["ad1"], ka["ad2"]}) == 3  # each adapter changes the answer
@@ -214,16 +197,9 @@ def test_lora_and_streamed_structured_outputs_through_vllm_serve(tiny_model, tmp
     assert all(free)
 
 
-def test_pooling_model_embeddings_through_vllm_serve(tiny_model, tmp_path):
-    servers = _servers(tiny_model, tmp_path, "pooling", ["--runner", "pooling"])
-    inputs = ["Hello, my name is", "The capital of France is", "One, two, three,"]
-    try:
-        got = {b: [d.embedding for d in s.client().embeddings.create(model="tiny",
-                                                                      input=inputs).data]
-               for b, s in servers.items()}
-    finally:
-        for s in servers.values():
-            s.stop()
+@slow
+def test_pooling_model_embeddings_through_vllm_serve(tiny_model, tmp_path_factory):
+    got = {k: v["embeddings"] for k, v in both(tmp_path_factory, tiny_model, "pooling").items()}
     ka, mp = got["keepalive"], got["mp"]
     assert len(ka) == 3 and len(ka[0]) == 256
     for a, b in zip(ka, mp, strict=True):
@@ -238,17 +214,15 @@ def test_pooling_model_embeddings_through_vllm_serve(tiny_model, tmp_path):
 def pipeline_tp1_pp2(tiny_model, tmp_path_factory):
     """-tp 1 -pp 2 under keepalive (eager, and compilation mode 2) and mp (mode 2: mp cannot
     run PP in eager mode on vLLM 0.32's CPU backend), and the TP=1 reference."""
-    def call(backend, tp, pp, eager=False):
-        return dict(name="pipeline", script="parity_scripts.py", model=tiny_model,
-                    backend=backend, tp=tp, pp=pp, eager=eager,
-                    extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                               "PYTHONPATH": PYTHONPATH})
-    ka, mp, ka_eager, tp1 = run_scripts(call("keepalive", 1, 2), call("mp", 1, 2),
-                                        call("keepalive", 1, 2, eager=True),
-                                        call("none", 1, 1, eager=True))
+    name = "pipeline_tp1_pp2_mp"
+    (ka, ka_eager), (mp, tp1) = with_references(
+        [keepalive_call(tmp_path_factory, tiny_model, name),
+         keepalive_call(tmp_path_factory, tiny_model, name, run="eager", eager=True)],
+        references(tmp_path_factory, tiny_model, COMPARED["pipeline_tp1_pp2"]), say=say)
     return {"keepalive": ka, "mp": mp, "keepalive-eager": ka_eager, "tp1": tp1}
 
 
+@slow
 def test_pipeline_tp1_pp2_gives_mps_and_tp1s_answers_with_batches_overlapping(
         pipeline_tp1_pp2):
     r = pipeline_tp1_pp2
@@ -259,6 +233,7 @@ def test_pipeline_tp1_pp2_gives_mps_and_tp1s_answers_with_batches_overlapping(
     assert r["keepalive"]["max_steps_in_flight"] >= 2
 
 
+@slow
 def test_pipeline_structured_outputs_the_non_fused_path_equal_mps(pipeline_tp1_pp2):
     r = pipeline_tp1_pp2
     assert r["keepalive"]["structured_mixed"] == r["mp"]["structured_mixed"]
@@ -267,14 +242,107 @@ def test_pipeline_structured_outputs_the_non_fused_path_equal_mps(pipeline_tp1_p
     assert set(json.loads(js)) == {"a", "b"} and re.fullmatch(REGEX, rx) and ch in CHOICES
 
 
-def test_pipeline_tp2_pp2_four_ranks_gives_mps_and_tp1s_answers(tiny_model, pipeline_tp1_pp2):
+@slow
+def test_pipeline_tp2_pp2_four_ranks_gives_mps_and_tp1s_answers(tiny_model, tmp_path_factory,
+                                                                pipeline_tp1_pp2):
     """Four ranks on this 2-core machine (two per core): one at a time."""
-    def call(backend):
-        return dict(name="pipeline", script="parity_scripts.py", model=tiny_model,
-                    backend=backend, tp=2, pp=2,
-                    extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH})
-    [ka] = run_scripts(call("keepalive"))
-    [mp] = run_scripts(call("mp"))
+    def one_at_a_time(*calls: dict) -> list[dict]:
+        return [run_scripts(c)[0] for c in calls]
+
+    r = both(tmp_path_factory, tiny_model, "pipeline_tp2_pp2", run=one_at_a_time)
+    ka, mp = r["keepalive"], r["mp"]
     assert ka["greedy"] == mp["greedy"] == pipeline_tp1_pp2["tp1"]["greedy"]
     assert ka["structured_mixed"] == mp["structured_mixed"]
     assert ka["max_steps_in_flight"] >= 2
+
+
+# ---------------------------------------------------------------- the cache itself (fast)
+
+
+def _fake_model(tmp_path: Path) -> str:
+    """A model directory as far as the key is concerned: the build parameters that
+    tiny_model.build_tiny_model writes (the weights are not read)."""
+    model = tmp_path / "tiny-llama"
+    model.mkdir()
+    (model / "keepalive_tiny_model.json").write_text(json.dumps({"seed": 0}))
+    return str(model)
+
+
+def test_a_reference_whose_key_does_not_match_is_run_live_and_rewritten(tmp_path):
+    """For each part of the key tampered with in turn: the lookup says which part, the
+    reference call is run (not the cache), and its file is rewritten with the current key;
+    with the key intact, only the keepalive call runs and the cached result is returned."""
+    model, directory = _fake_model(tmp_path), tmp_path / "references"
+    name = "spec_decode"
+    call = reference_call(REFERENCES[name], model, tmp_path / "work")
+    live = {"name": "spec_decode", "backend": "keepalive"}
+    ran: list[list[dict]] = []
+
+    def run(*calls: dict) -> list[dict]:  # stands in for run_scripts: which calls ran
+        ran.append(list(calls))
+        return [{"ran": c["backend"], "n": len(ran)} for c in calls]
+
+    notes: list[str] = []
+    absent = Reference.look_up(name, call, model, directory)
+    assert absent.cached is None and absent.mismatch == ["no cached file"]
+    absent.store({"greedy": [[1, 2]]})
+    key = json.loads((directory / f"{name}.json").read_text())["key"]
+    assert key == reference_key(call, model)
+    for part in key:
+        stored = json.loads(absent.path.read_text())
+        stored["key"][part] += " (tampered)"
+        absent.path.write_text(json.dumps(stored))
+        ref = Reference.look_up(name, call, model, directory)
+        assert ref.cached is None and ref.mismatch == [part]
+        got, [result] = with_references([live], [ref], run=run, say=notes.append)
+        assert ran[-1] == [live, call]  # the reference ran live, beside keepalive
+        assert got == [{"ran": "keepalive", "n": len(ran)}]
+        assert result == {"ran": "mp", "n": len(ran)}
+        assert notes[-1] == f"reference {name}: live (key mismatch: {part})"
+        rewritten = json.loads(absent.path.read_text())
+        assert rewritten["key"] == key and rewritten["result"] == result
+    # the key matches again: only keepalive runs, the reference comes from the file
+    ref = Reference.look_up(name, call, model, directory)
+    assert ref.cached == result
+    got, [cached] = with_references([live], [ref], run=run, say=notes.append)
+    assert ran[-1] == [live] and cached == result
+    assert re.fullmatch(rf"reference {name}: cached \(key [0-9a-f]{{12}}\)", notes[-1])
+
+
+def test_the_key_covers_what_the_reference_depends_on(tmp_path, monkeypatch):
+    """The key changes with the model's build parameters, the scripts' sources (also a
+    module parity_scripts imports) and the scenario's arguments."""
+    import run_engine
+
+    model = _fake_model(tmp_path)
+    call = reference_call(REFERENCES["offline_features"], model, tmp_path / "work")
+    key = reference_key(call, model)
+    assert key == reference_key({**call, "model": "/elsewhere", "workdir": "/x"}, model)
+    Path(model, "keepalive_tiny_model.json").write_text(json.dumps({"seed": 1}))
+    assert reference_key(call, model).keys() == key.keys()
+    assert reference_key(call, model)["model_builder"] != key["model_builder"]
+    Path(model, "keepalive_tiny_model.json").write_text(json.dumps({"seed": 0}))
+    assert reference_key({**call, "tp": 1}, model)["scenario"] != key["scenario"]
+    assert {"parity_scripts.py", "rpc_targets.py", "servers.py", "procs.py",
+            "kv_connectors.py", "run_engine.py"} <= set(run_engine.tests_imported_by(
+                "parity_scripts.py", "run_engine.py", "kv_connectors.py"))
+    real_read = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda p: real_read(p) + (
+        b"#" if p.name == "rpc_targets.py" else b""))
+    assert reference_key(call, model)["scripts"] != key["scripts"]
+    monkeypatch.setattr(run_engine, "cpu_isa", lambda: "torch:DEFAULT flags:sse")
+    assert reference_key(call, model)["cpu_isa"] != key["cpu_isa"]
+
+
+def test_the_cache_covers_every_scenario_the_parity_tests_compare(tmp_path):
+    """Every reference the parity tests compare with has its file, for the call those
+    tests make now, with every part of the key; and no file is left over."""
+    assert sorted(n for names in COMPARED.values() for n in names) == sorted(REFERENCES)
+    assert sorted(p.stem for p in REFERENCE_DIR.glob("*.json")) == sorted(REFERENCES)
+    model = _fake_model(tmp_path)
+    for name, spec in REFERENCES.items():
+        stored = json.loads((REFERENCE_DIR / f"{name}.json").read_text())
+        key = reference_key(reference_call(spec, model, tmp_path / name), model)
+        assert stored["key"].keys() == key.keys(), name
+        assert stored["key"]["scenario"] == key["scenario"], name
+        assert isinstance(stored["result"], dict) and stored["result"], name
