@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import openai
 import psutil
 import pytest
 from procs import alive, left_after
@@ -22,7 +23,14 @@ from servers import Server, by_title
 
 pytestmark = pytest.mark.slow
 
-DETECT_BOUND_S = 15.0  # worker death -> server unhealthy or gone
+DETECT_BOUND_S = 15.0  # worker death -> server gone (vLLM's own shutdown after unhealthy)
+# Worker SIGKILL while idle -> /health fails. Observed 0.16 s (the sentinel monitor fires at
+# once); the bound leaves room for a loaded machine and fails on anything like a grace period
+# or a health-check poll.
+IDLE_DETECT_BOUND_S = 2.0
+# Rank 1 raises inside a step -> the client's HTTP 500. Observed 1.23 s; the old fixed 5 s
+# grace took 5.46 s, which this bound fails.
+RAISE_BOUND_S = 4.0
 CLIENT_BOUND_S = 30.0  # worker death mid-stream -> every client has an error or end of stream
 # Worker SIGKILL with 8 streams -> every client has its error. The target is 1.5 s (measured
 # in benchmarks/bench_faults.py); this bound leaves room for a loaded machine and still fails
@@ -79,8 +87,9 @@ def test_worker_killed_while_idle(tiny_model, tmp_path):
                     assert conn.laddr.ip in ("127.0.0.1", "::1"), (p.name(), conn)
         [worker] = by_title(server, "KeepaliveWorker_TP1")
         worker.kill()
-        took = wait_until(lambda: unhealthy(server), DETECT_BOUND_S)
-        assert took is not None, "server still healthy after a worker died"
+        took = wait_until(lambda: unhealthy(server), IDLE_DETECT_BOUND_S)
+        assert took is not None, f"server still healthy {IDLE_DETECT_BOUND_S}s after a " \
+            "worker died"
         # vLLM's API server then shuts itself down (with exit code 0, as it does for mp)
         server.proc.wait(DETECT_BOUND_S)
         assert "worker rank 1" in server.log() and "died unexpectedly" in server.log()
@@ -90,18 +99,20 @@ def test_worker_killed_while_idle(tiny_model, tmp_path):
 
 
 def _stream_all(server: Server, n: int, results: dict) -> list[threading.Thread]:
+    """``results[i]``: ("finished", the stream's last finish_reason, t) or ("error", the
+    error, t). The front end merges tokens into fewer chunks, so chunk counts say nothing
+    about completeness; the finish_reason does."""
     def run(i: int) -> None:
-        t0 = time.monotonic()
         try:
-            chunks = 0
-            for _ in server.client().completions.create(
+            finish = None
+            for chunk in server.client().completions.create(
                     model="tiny", prompt="Hello", max_tokens=200, temperature=0, stream=True,
                     extra_body={"ignore_eos": True}):
-                chunks += 1
-            results[i] = ("finished", chunks, time.monotonic())
-        except Exception as e:  # noqa: BLE001 - an error is a valid end
-            results[i] = ("error", type(e).__name__, time.monotonic())
-        del t0
+                if chunk.choices and chunk.choices[0].finish_reason is not None:
+                    finish = chunk.choices[0].finish_reason
+            results[i] = ("finished", finish, time.monotonic())
+        except Exception as e:  # noqa: BLE001 - an error is the expected end under a fault
+            results[i] = ("error", f"{type(e).__name__}: {e}", time.monotonic())
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
@@ -125,8 +136,8 @@ def test_worker_killed_with_8_streams_in_flight(tiny_model, tmp_path):
         assert len(results) == 8, f"clients still hanging: {8 - len(results)}"
         ends = [r[2] - t_kill for r in results.values()]
         assert max(ends) < KILL_REACTION_BOUND_S, ends
-        # a stream cut by the fault must not look complete: 200 tokens were asked for
-        assert all(r[0] == "error" or r[1] < 200 for r in results.values()), results
+        # every client learns of the fault: an error, never a stream that just ends
+        assert all(r[0] == "error" for r in results.values()), results
         server.proc.wait(DETECT_BOUND_S)
         assert "worker rank 1" in server.log()
     finally:
@@ -147,6 +158,11 @@ def test_engine_process_killed_workers_exit(tiny_model, tmp_path, busy):
         engine.kill()
         took = wait_until(lambda: not alive([worker]), WORKER_EXIT_BOUND_S)
         assert took is not None, "worker outlived the engine process"
+        # it left by one of the two ways the docs name: its death pipe closed (exit code 2,
+        # ORPHANED), or its broadcast wait saw the closed sockets first (code 1)
+        assert wait_until(lambda: "parent process exited; exiting" in server.log()
+                          or "keepalive worker rank 1 stops" in server.log(), 5), \
+            server.log()[-3000:]
     finally:
         server.stop()
 
@@ -189,9 +205,9 @@ def test_worker_raises_inside_a_step(tiny_model, tmp_path):
         assert one_request(server)
         (server.fault_dir / "raise_rank1").write_text("1")
         t0 = time.monotonic()
-        with pytest.raises(Exception):  # noqa: B017 - any error reaching the client is right
+        with pytest.raises(openai.InternalServerError):  # HTTP 500: the engine is dead
             one_request(server)
-        assert time.monotonic() - t0 < CLIENT_BOUND_S
+        assert time.monotonic() - t0 < RAISE_BOUND_S
         assert wait_until(lambda: unhealthy(server), DETECT_BOUND_S) is not None
         log = server.log()
         assert "injected step failure on rank 1" in log and "worker rank 1" in log
@@ -259,10 +275,10 @@ def test_a_step_past_the_execute_timeout_fails_the_executor_clearly(tiny_model, 
         assert one_request(server)
         (server.fault_dir / "stall_rank1").write_text("30")
         t0 = time.monotonic()
-        with pytest.raises(Exception):  # noqa: B017 - any error reaching the client is right
+        with pytest.raises(openai.InternalServerError):  # HTTP 500: the engine is dead
             one_request(server)
         took = time.monotonic() - t0
-        assert 3 <= took < 15, took
+        assert 3 <= took < 6, took  # observed 3.54 s; the stall itself is 30 s
         log = server.log()
         assert ("execute_model did not return within 3s (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)"
                 in log), log[-3000:]
