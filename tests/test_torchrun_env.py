@@ -296,3 +296,93 @@ def test_multimodal_shm_cache_is_refused_in_torchrun_mode_naming_the_flag():
     check_features(cfg("lru"))
     with pytest.raises(KeepaliveConfigError, match="--mm-processor-cache-type shm.*lru"):
         check_features(cfg("shm"))
+
+
+# ---------------------------------------------------------------- the per-run secret file
+
+
+def _old_create_node_secret(env, environ):
+    """The scheme before issue 14 (kept here for the negative control): the file is created
+    at its final path, then written."""
+    import contextlib
+    import os
+    import secrets
+
+    from keepalive_executor.torchrun import bootstrap
+
+    path = bootstrap.node_secret_path(env, environ)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        bootstrap._write_secret(f, secrets.token_hex(32))
+    return path
+
+
+@pytest.mark.parametrize("scheme", ["atomic", "negative-control-old-create-then-write"])
+def test_a_follower_racing_the_secret_writer_never_sees_a_short_key(tmp_path, monkeypatch,
+                                                                   scheme):
+    """Rank 0 pauses between creating the secret file and writing it; a follower polls for
+    the file meanwhile. With the rename it finds the whole secret; with the old scheme the
+    file exists, empty, during the pause (and the old follower verified with that empty key)."""
+    import os
+    import threading
+    import time
+
+    from keepalive_executor.torchrun import bootstrap
+
+    one_node = TorchrunEnv.from_environ({**GOOD, "LOCAL_WORLD_SIZE": "2"})
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    environ = {"XDG_RUNTIME_DIR": str(runtime)}
+    path = bootstrap.node_secret_path(one_node, environ)
+    created = threading.Event()
+    real_write = bootstrap._write_secret
+
+    def slow_write(f, value):
+        created.set()
+        time.sleep(0.5)  # the window between create and write
+        real_write(f, value)
+
+    monkeypatch.setattr(bootstrap, "_write_secret", slow_write)
+    create = bootstrap.create_node_secret if scheme == "atomic" else _old_create_node_secret
+    writer = threading.Thread(target=create, args=(one_node, environ))
+    writer.start()
+    assert created.wait(5)
+    # what a follower reading during the window gets
+    raw_in_window = open(path, "rb").read() if os.path.exists(path) else None
+    try:
+        secret = bootstrap.load_secret(one_node, environ, wait_s=5)[0]
+        refused = None
+    except TorchrunError as e:
+        secret, refused = None, str(e)
+    writer.join(5)
+    if scheme == "atomic":
+        assert raw_in_window is None  # nothing at the path until it is complete
+        assert secret == open(path, "rb").read().strip() and len(secret) == 64
+        assert not [p for p in os.listdir(runtime) if p.endswith(".tmp")]  # no leftovers
+    else:
+        assert raw_in_window == b""  # the old scheme exposed an empty key
+        # and the length check, now on every source, refuses it rather than verify with it
+        assert refused and "is 0 bytes; it must be at least 16" in refused
+
+
+def test_a_short_or_missing_per_run_secret_file_is_refused_clearly(tmp_path):
+    import os
+
+    from keepalive_executor.torchrun.bootstrap import load_secret, node_secret_path
+
+    one_node = TorchrunEnv.from_environ({**GOOD, "LOCAL_WORLD_SIZE": "2"})
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    environ = {"XDG_RUNTIME_DIR": str(runtime)}
+    with pytest.raises(TorchrunError, match=r"per-run secret file .* does not exist .*waited "
+                                            r"0.2s, VLLM_KEEPALIVE_STARTUP_TIMEOUT_S"):
+        load_secret(one_node, environ, wait_s=0.2)
+    path = node_secret_path(one_node, environ)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, b"abc\n")
+    os.close(fd)
+    with pytest.raises(TorchrunError, match=r"the per-run secret file .* is 3 bytes; it must "
+                                            r"be at least 16: .*remove it and restart"):
+        load_secret(one_node, environ, wait_s=5)

@@ -34,6 +34,7 @@ import os
 import pickle
 import secrets
 import stat
+import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -99,14 +100,31 @@ def node_secret_path(env: TorchrunEnv, environ: Mapping[str, str] | None = None,
 
 
 def create_node_secret(env: TorchrunEnv, environ: Mapping[str, str] | None = None) -> str:
-    """Rank 0 of a one-node run: create the per-run secret file; return its path."""
+    """Rank 0 of a one-node run: create the per-run secret file; return its path.
+
+    The secret is written to a temporary file in the same private directory and renamed into
+    place. The rename is atomic, so a follower polling for the path finds either no file or
+    the whole secret: never an empty or partial one, which it would otherwise verify with
+    (with an empty key, whoever posts first on the store could forge a bootstrap).
+    """
     path = node_secret_path(env, environ)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # a stale file of a recycled pid: never reuse a secret
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+    fd, tmp = tempfile.mkstemp(prefix=".secret-", suffix=".tmp", dir=os.path.dirname(path))
+    try:  # mkstemp creates it 0600
+        with os.fdopen(fd, "w") as f:
+            _write_secret(f, secrets.token_hex(32))
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
+
+
+def _write_secret(f: Any, value: str) -> None:
+    """Write the per-run secret (a seam: the race test pauses here)."""
+    f.write(value)
 
 
 def _read_secret_file(path: str, source: str) -> bytes:
@@ -124,17 +142,29 @@ def _read_secret_file(path: str, source: str) -> bytes:
     return value
 
 
-def load_secret(env: TorchrunEnv, environ: Mapping[str, str] | None = None) -> tuple[bytes, str]:
-    """The secret this rank signs or checks with, and where it came from."""
+def load_secret(env: TorchrunEnv, environ: Mapping[str, str] | None = None,
+                wait_s: float = 0.0) -> tuple[bytes, str]:
+    """The secret this rank signs or checks with, and where it came from.
+
+    The per-run secret of a one-node run may not exist yet when a follower starts: with
+    ``wait_s``, poll that long for rank 0 to create it (it appears whole, see
+    :func:`create_node_secret`). Every source, the per-run file included, must hold at least
+    ``MIN_SECRET_BYTES``.
+    """
     environ = os.environ if environ is None else environ
     if environ.get(ENV_SECRET):
         value, source = environ[ENV_SECRET].encode(), ENV_SECRET
+        fix = _HOW_TO_SET
     elif environ.get(ENV_SECRET_FILE):
         value = _read_secret_file(environ[ENV_SECRET_FILE], ENV_SECRET_FILE)
         source = f"{ENV_SECRET_FILE}={environ[ENV_SECRET_FILE]}"
+        fix = _HOW_TO_SET
     elif env.one_node:
-        path = node_secret_path(env, environ)
-        return _read_secret_file(path, "the per-run secret file"), f"per-run secret {path}"
+        path = _wait_for_file(node_secret_path(env, environ), wait_s)
+        value = _read_secret_file(path, "the per-run secret file")
+        source = f"the per-run secret file {path}"
+        fix = (f"rank 0 writes {2 * 32} bytes there, so something else wrote or truncated it; "
+               f"remove it and restart torchrun, or {_HOW_TO_SET}")
     else:
         raise TorchrunError(
             f"torchrun mode across several nodes (WORLD_SIZE={env.world_size}, "
@@ -143,10 +173,22 @@ def load_secret(env: TorchrunEnv, environ: Mapping[str, str] | None = None) -> t
         )
     if len(value) < MIN_SECRET_BYTES:
         raise TorchrunError(
-            f"{source} is {len(value)} bytes; it must be at least {MIN_SECRET_BYTES}: "
-            f"{_HOW_TO_SET}"
+            f"{source} is {len(value)} bytes; it must be at least {MIN_SECRET_BYTES}: {fix}"
         )
     return value, source
+
+
+def _wait_for_file(path: str, wait_s: float) -> str:
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            raise TorchrunError(
+                f"the per-run secret file {path} does not exist (rank 0 creates it when it "
+                f"starts; waited {wait_s:g}s, VLLM_KEEPALIVE_STARTUP_TIMEOUT_S): is rank 0 "
+                f"running on this node under the same torchrun agent? Or {_HOW_TO_SET}"
+            )
+        time.sleep(0.05)
+    return path
 
 
 def sign(secret: bytes, key: str, obj: Any) -> bytes:

@@ -232,23 +232,10 @@ def _follow(env: TorchrunEnv) -> int:
 
 
 def _read_bootstrap(store: Any, env: TorchrunEnv, timeout_s: float) -> dict[str, Any]:
-    secret, _ = _wait_for_secret(env, timeout_s)
+    # A one-node follower may start before rank 0 created the per-run secret file: wait for
+    # it (it appears whole), within the start-up timeout.
+    secret, _ = load_secret(env, wait_s=timeout_s)
     return wait_bootstrap(store, env, timeout_s, secret)
-
-
-def _wait_for_secret(env: TorchrunEnv, timeout_s: float) -> tuple[bytes, str]:
-    """A one-node follower may start before rank 0 created the per-run secret file."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return load_secret(env)
-        except TorchrunError:
-            if not env.one_node or time.monotonic() >= deadline or os.environ.get(ENV_SECRET) \
-                    or os.environ.get(ENV_SECRET_FILE):
-                raise
-        time.sleep(0.1)
 
 
 USAGE = """\
