@@ -263,8 +263,9 @@ def default_liveness_timeout_s(env: Mapping[str, str]) -> float:
     heartbeat is there for a frozen rank, noticed within 2 s. Across nodes: 5 s, the order
     of vLLM's Ray executor (which polls every 5 s). A heartbeat then crosses a network, where
     one lost segment costs a TCP retransmission (Linux: 200 ms minimum RTO, doubling): 5 s
-    rides out four consecutive retransmissions (0.2 + 0.4 + 0.8 + 1.6 s) or a stall of about
-    4.5 s of either side's thread, and still notices a lost node within about 6 s.
+    rides out four consecutive retransmissions (0.2 + 0.4 + 0.8 + 1.6 s), or any stall of
+    either side's thread up to 3.3 s (the timeout minus a beat period and a poll), and still
+    notices a lost node within 5.8 s (the timeout plus one poll).
     """
     local, world = env.get("LOCAL_WORLD_SIZE"), env.get("WORLD_SIZE")
     if local and world and local != world:
