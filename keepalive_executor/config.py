@@ -265,7 +265,7 @@ def default_liveness_timeout_s(env: Mapping[str, str]) -> float:
     one lost segment costs a TCP retransmission (Linux: 200 ms minimum RTO, doubling): 5 s
     rides out four consecutive retransmissions (0.2 + 0.4 + 0.8 + 1.6 s), or any stall of
     either side's thread up to 3.3 s (the timeout minus a beat period and a poll), and still
-    notices a lost node within 5.8 s (the timeout plus one poll).
+    notices a lost node within 6.7 s (the timeout plus two polls).
     """
     local, world = env.get("LOCAL_WORLD_SIZE"), env.get("WORLD_SIZE")
     if local and world and local != world:

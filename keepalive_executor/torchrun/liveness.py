@@ -15,8 +15,9 @@ does not depend on the transport::
                                                nodes matters) -> lost
 
 A lost process, a lost node and a partition all stop the counter, so any of them is noticed
-within ``timeout`` plus one poll (``VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S``; default 1.5 s on one
-node, 5 s across nodes, see :func:`keepalive_executor.config.default_liveness_timeout_s`).
+within ``timeout`` plus two polls (one to see the last beat, one to see the counter still):
+``VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S``, default 1.5 s on one node and 5 s across nodes, see
+:func:`keepalive_executor.config.default_liveness_timeout_s`.
 
 **Transient errors are tolerated, silence is not.** One exception from a store call (a reset
 connection, a timeout under load) says nothing about whether a rank is alive, so neither side
@@ -49,37 +50,39 @@ ENV_LIVENESS = "VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S"
 class LivenessCore:
     """Which ranks are lost, and whether the store is, from observations and a clock.
 
-    Every argument ``now`` is the observer's clock; nothing here reads a clock itself.
+    Every argument ``now`` is the observer's clock; nothing here reads a clock itself. A rank
+    is lost on evidence only: a read that *answered* showed its counter still for more than
+    the timeout. While reads fail or block, a rank's counter is unknown, not still: that is
+    the store's silence, reported as such once no read of some rank has answered for the
+    timeout (a store that answers again within it costs nothing).
     """
 
     def __init__(self, ranks: Iterable[int], timeout_s: float, now: float) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.timeout_s = timeout_s
-        self._seen: dict[int, tuple[int | None, float]] = {r: (None, now) for r in ranks}
-        self._answered = now
+        # rank -> (last value read, when it was first read, when it was last read)
+        self._seen: dict[int, tuple[int | None, float, float]] = {
+            r: (None, now, now) for r in ranks}
 
     def observe(self, rank: int, value: int, now: float) -> None:
-        """Rank ``rank``'s counter reads ``value`` at ``now`` (the store answered)."""
-        self.answered(now)
-        last, since = self._seen[rank]
-        if value != last:
-            self._seen[rank] = (value, now)
-
-    def answered(self, now: float) -> None:
-        """The store answered a call at ``now``."""
-        self._answered = max(self._answered, now)
+        """A read of rank ``rank``'s counter answered ``value`` at ``now``."""
+        last, since, read = self._seen[rank]
+        self._seen[rank] = (value, now if value != last else since, max(read, now))
 
     def lost(self, now: float) -> list[tuple[int, float]]:
-        """``(rank, seconds since its counter last moved)`` for each rank past the timeout."""
+        """``(rank, seconds its counter was seen still)`` for each rank whose last answered
+        read found it unmoved for more than the timeout."""
         return sorted(
-            (r, now - since) for r, (_, since) in self._seen.items()
-            if now - since > self.timeout_s
+            (r, read - since) for r, (_, since, read) in self._seen.items()
+            if read - since > self.timeout_s
         )
 
     def store_silent(self, now: float) -> float | None:
-        """Seconds since the store last answered, if that is past the timeout, else None."""
-        silent = now - self._answered
+        """Seconds since some rank's counter was last read, if past the timeout, else None."""
+        if not self._seen:
+            return None
+        silent = now - min(read for _, _, read in self._seen.values())
         return silent if silent > self.timeout_s else None
 
 
@@ -194,21 +197,28 @@ class LivenessMonitor(_Periodic):
                     self._last_error = e
                     self._errors.failed(e)
                     continue
+                self._last_error = None  # the error to name is the one in a silence
                 with self._lock:
                     self._core.observe(r, value, self._clock())
+            # decide at once from fresh reads (no wait for the decision thread's next tick)
+            if not self._tick():
+                return
             self._stop.wait(self._period)
 
     def _tick(self) -> bool:
+        """Decide; called by both threads, so the first verdict is the only one."""
         with self._lock:
+            if self._stop.is_set():
+                return False
             now = self._clock()
             silent = self._core.store_silent(now)
             lost = self._core.lost(now)
-        if self._stop.is_set():
-            return False
+            if silent is not None or lost:
+                self._stop.set()  # both threads end; on_lost runs once, below
         if silent is not None:
             cause = f"; last error: {self._last_error}" if self._last_error else \
                 " (calls blocked)"
-            self._fail(
+            self._on_lost(
                 f"torchrun's store has not answered for {silent:.2f}s ({ENV_LIVENESS}="
                 f"{self._core.timeout_s:g}s){cause}: node 0's agent, or the network to it, "
                 "is lost"
@@ -216,13 +226,9 @@ class LivenessMonitor(_Periodic):
             return False
         if lost:
             rank, since = lost[0]
-            self._fail(
+            self._on_lost(
                 f"rank {rank} sent no heartbeat for {since:.2f}s (torchrun mode, "
                 f"{ENV_LIVENESS}={self._core.timeout_s:g}s): its process or node is lost"
             )
             return False
         return True
-
-    def _fail(self, reason: str) -> None:
-        self._stop.set()  # the reader ends too
-        self._on_lost(reason)
