@@ -27,7 +27,9 @@ collective timeout                    the one governing the chosen group:
 ``VLLM_KEEPALIVE_STARTUP_TIMEOUT_S``  how long ranks wait for each other at start-up
                                       (default 600 s), > 0
 ``VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S`` torchrun mode: a rank whose heartbeat is this old is
-                                      dead (default 1.5 s; it beats 6 times per period), > 0
+                                      dead (default 1.5 s on one node, 5 s across nodes,
+                                      see default_liveness_timeout_s; it beats 6 times per
+                                      period), > 0
 ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` vLLM's own: a model step that has not returned after
                                       this long fails the executor (vLLM's default 300 s), > 0
 ====================================  =============================================================
@@ -70,6 +72,7 @@ __all__ = [
     "parse_interval",
     "validate_interval",
     "default_interval",
+    "default_liveness_timeout_s",
     "group_timeout_s",
     "startup_timeout_s",
     "settings_from_vllm_config",
@@ -97,6 +100,7 @@ MAX_DEFAULT_INTERVAL_S = 30.0
 DEFAULT_FAILURE_GRACE_S = 0.5
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_LIVENESS_TIMEOUT_S = 1.5
+DEFAULT_LIVENESS_TIMEOUT_MULTI_NODE_S = 5.0
 VLLM_EXECUTE_TIMEOUT_S = 300.0
 
 
@@ -250,6 +254,25 @@ def startup_timeout_s(env: Mapping[str, str] | None = None) -> float:
     return _positive_seconds(env, ENV_STARTUP_TIMEOUT, DEFAULT_STARTUP_TIMEOUT_S)
 
 
+def default_liveness_timeout_s(env: Mapping[str, str]) -> float:
+    """The liveness timeout when ``VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S`` is not set.
+
+    One node (torchrun's ``LOCAL_WORLD_SIZE == WORLD_SIZE``, or not under torchrun): 1.5 s.
+    The heartbeat crosses loopback only, which loses no packets, so the only stalls are
+    scheduling ones, and a process that dies is seen by its torchrun agent anyway; the
+    heartbeat is there for a frozen rank, noticed within 2 s. Across nodes: 5 s, the order
+    of vLLM's Ray executor (which polls every 5 s). A heartbeat then crosses a network, where
+    one lost segment costs a TCP retransmission (Linux: 200 ms minimum RTO, doubling): 5 s
+    rides out four consecutive retransmissions (0.2 + 0.4 + 0.8 + 1.6 s), or any stall of
+    either side's thread up to 3.3 s (the timeout minus a beat period and a poll), and still
+    notices a lost node within 6.7 s (the timeout plus two polls).
+    """
+    local, world = env.get("LOCAL_WORLD_SIZE"), env.get("WORLD_SIZE")
+    if local and world and local != world:
+        return DEFAULT_LIVENESS_TIMEOUT_MULTI_NODE_S
+    return DEFAULT_LIVENESS_TIMEOUT_S
+
+
 def settings_from_vllm_config(
     vllm_config: Any,
     env: Mapping[str, str] | None = None,
@@ -291,7 +314,7 @@ def settings_from_vllm_config(
         failure_grace_s=_positive_seconds(env, ENV_FAILURE_GRACE, DEFAULT_FAILURE_GRACE_S),
         startup_timeout_s=startup_timeout_s(env),
         liveness_timeout_s=_positive_seconds(
-            env, ENV_LIVENESS_TIMEOUT, DEFAULT_LIVENESS_TIMEOUT_S
+            env, ENV_LIVENESS_TIMEOUT, default_liveness_timeout_s(env)
         ),
         execute_timeout_s=execute_timeout_s,
     )

@@ -1,17 +1,34 @@
-"""torchrun mode's death detection: the pure decision, then heartbeats on a real TCPStore."""
+"""torchrun mode's death detection: the pure decision, then heartbeats on a real TCPStore.
+
+The "survives" tests put a fault below the tolerance; each has a negative control that puts
+the same fault past it and sees the loss reported, so none of them can pass by not watching.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from keepalive_executor.torchrun.liveness import Heartbeat, LivenessCore, LivenessMonitor
+from keepalive_executor.config import (
+    DEFAULT_LIVENESS_TIMEOUT_MULTI_NODE_S,
+    DEFAULT_LIVENESS_TIMEOUT_S,
+    KeepaliveConfigError,
+    settings_from_vllm_config,
+)
+from keepalive_executor.torchrun.liveness import (
+    BEATS_PER_TIMEOUT,
+    Heartbeat,
+    LivenessCore,
+    LivenessMonitor,
+)
 
 TIMEOUT = 1.5
+BEAT = TIMEOUT / BEATS_PER_TIMEOUT
 
 
 @given(st.lists(st.tuples(st.sampled_from([1, 2]), st.floats(0.0, 3.0)), max_size=40))
@@ -30,33 +47,234 @@ def test_a_rank_is_lost_exactly_when_its_counter_has_not_moved_for_the_timeout(b
         assert [r for r, _ in core.lost(now)] == expected
 
 
+# One step of the driver's reader: at time dt later, the read of rank 1 either fails (the
+# store raised) or answers with the counter, which moved or not.
+_step = st.tuples(st.floats(0.0, 2.0), st.sampled_from(["raise", "same", "moved"]))
+
+
+@given(st.lists(_step, max_size=60))
+def test_the_store_is_lost_exactly_when_no_read_answered_for_the_timeout(steps):
+    """Failed reads are not a loss by themselves: only silence past the timeout is, and a
+    rank whose counter moved after a run of failed reads is not lost."""
+    core = LivenessCore([1], TIMEOUT, now=0.0)
+    now, counter, answered, moved = 0.0, 0, 0.0, 0.0
+    core.observe(1, counter, now)
+    for dt, outcome in steps:
+        now += dt
+        if outcome != "raise":
+            if outcome == "moved":
+                counter += 1
+                moved = now
+            core.observe(1, counter, now)
+            answered = now
+        silent = core.store_silent(now)
+        assert (silent is not None) == (now - answered > TIMEOUT)
+        if silent is not None:
+            assert silent == pytest.approx(now - answered)
+        # lost on evidence: the last read that answered saw the counter still past the
+        # timeout; a silent store does not make the rank lost by itself
+        assert bool(core.lost(now)) == (answered - moved > TIMEOUT)
+
+
+def test_a_blocked_store_is_silent_without_any_call_returning_and_no_rank_is_lost():
+    core = LivenessCore([1, 2], TIMEOUT, now=10.0)
+    core.observe(1, 0, 10.0)
+    core.observe(2, 0, 10.0)
+    assert core.store_silent(10.0 + TIMEOUT) is None  # exactly the timeout: not yet
+    assert core.store_silent(10.0 + TIMEOUT + 0.01) == pytest.approx(TIMEOUT + 0.01)
+    assert core.lost(10.0 + 5 * TIMEOUT) == []  # nothing read: no evidence against a rank
+    core.observe(1, 0, 12.0)  # rank 1 read again, unmoved: lost; rank 2 still unread
+    assert core.lost(12.0) == [(1, pytest.approx(2.0))]
+    assert core.store_silent(12.0) is not None  # rank 2's reads have not answered
+    core.observe(2, 1, 12.0)
+    assert core.store_silent(12.0 + TIMEOUT) is None
+
+
+# ---------------------------------------------------------------- the default timeout
+
+
+class _Parallel:
+    tensor_parallel_size = 2
+    pipeline_parallel_size = 1
+    world_size = 2
+    distributed_timeout_seconds = 10
+    cpu_distributed_timeout_seconds = None
+
+
+class _Config:
+    parallel_config = _Parallel()
+    additional_config: dict = {}
+
+
+def _liveness(env: dict[str, str]) -> float:
+    return settings_from_vllm_config(_Config(), env=env, dist_backend="gloo").liveness_timeout_s
+
+
+def test_default_is_low_on_one_node_higher_across_nodes_and_the_setting_wins():
+    assert _liveness({}) == DEFAULT_LIVENESS_TIMEOUT_S == 1.5  # spawned mode, or no torchrun
+    assert _liveness({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}) == 1.5
+    across = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}
+    assert _liveness(across) == DEFAULT_LIVENESS_TIMEOUT_MULTI_NODE_S == 5.0
+    assert _liveness({**across, "VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S": "0.7"}) == 0.7
+    with pytest.raises(KeepaliveConfigError,
+                       match=r"VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S='0' must be positive.*"
+                             r"default 5\b"):
+        _liveness({**across, "VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S": "0"})
+
+
+# ---------------------------------------------------------------- on a real TCPStore
+
+
 def key(name: str) -> str:
     return f"keepalive_executor/test/0/{name}"
+
+
+class FlakyStore:
+    """A real TCPStore client whose ``add`` raises, or first sleeps, on chosen calls.
+
+    ``fault(n)`` is called with the 0-based index of each ``add`` and returns None (pass
+    through), ``"raise"``, or a number of seconds to block before passing through.
+    """
+
+    def __init__(self, inner, fault: Callable[[int], object]) -> None:
+        self._inner = inner
+        self._fault = fault
+        self._n = 0
+        self.raised = 0
+
+    def add(self, k: str, v: int) -> int:
+        n, self._n = self._n, self._n + 1
+        what = self._fault(n)
+        if what == "raise":
+            self.raised += 1
+            raise RuntimeError(f"injected store error on call {n}")
+        if what:
+            time.sleep(float(what))
+        return self._inner.add(k, v)
+
+
+class Watch:
+    """Run a Heartbeat for rank 1 and a LivenessMonitor over it; record what is reported."""
+
+    def __init__(self, beat_store, monitor_store) -> None:
+        self.lost: list[tuple[str, float]] = []
+        self.got = threading.Event()
+        self.beat = Heartbeat(beat_store, key, rank=1, timeout_s=TIMEOUT)
+        self.monitor = LivenessMonitor(monitor_store, key, [1], TIMEOUT, self._on_lost)
+
+    def _on_lost(self, reason: str) -> None:
+        self.lost.append((reason, time.monotonic()))
+        self.got.set()
+
+    def __enter__(self) -> Watch:
+        self.beat.start()
+        self.monitor.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.monitor.stop()
+        self.beat.stop()
 
 
 @pytest.mark.parametrize("beating", [False, True], ids=["silent", "negative-control"])
 def test_monitor_reports_a_silent_rank_within_2s_and_not_a_beating_one(tcp_store, beating):
     _, _, client = tcp_store
-    beat = Heartbeat(client(), key, rank=1, timeout_s=TIMEOUT)
-    beat.start()
-    lost: list[tuple[str, float]] = []
-    got = threading.Event()
+    with Watch(client(), client()) as w:
+        time.sleep(1.0)
+        t_silent = time.monotonic()
+        if not beating:
+            w.beat.stop()  # what a SIGKILLed rank or a lost node does
+            assert w.got.wait(10)
+            reason, when = w.lost[0]
+            assert "rank 1 sent no heartbeat" in reason
+            # claimed: after timeout - one beat, within timeout + two beats (one poll to see
+            # the last beat, one to see the counter still); 0.5 s slack for a loaded machine
+            assert TIMEOUT - BEAT - 0.1 <= when - t_silent < TIMEOUT + 2 * BEAT + 0.5
+        else:
+            assert not w.got.wait(3 * TIMEOUT), w.lost
 
-    def on_lost(reason: str) -> None:
-        lost.append((reason, time.monotonic()))
-        got.set()
 
-    monitor = LivenessMonitor(client(), key, [1], TIMEOUT, on_lost)
-    monitor.start()
-    time.sleep(1.0)
-    t_silent = time.monotonic()
-    if not beating:
-        beat.stop()  # what a SIGKILLed rank or a lost node does
-        assert got.wait(10)
-        reason, when = lost[0]
-        assert "rank 1 sent no heartbeat" in reason
-        assert TIMEOUT - 0.3 <= when - t_silent < 2.0 + 0.5  # the target is 2 s; 0.5 s slack
+def _burst(start: int, count: int) -> Callable[[int], object]:
+    return lambda n: "raise" if start <= n < start + count else None
+
+
+# A follower's adds fail: two in a row (0.5 s without a beat, a third of the timeout), then
+# one in three for the rest of the run. Control: every add fails from call 4 on.
+_FOLLOWER_FLAKY = [
+    pytest.param(lambda n: "raise" if n in (4, 5) or (n > 8 and n % 3 == 0) else None,
+                 False, id="transient-errors-survive"),
+    pytest.param(_burst(4, 10_000), True, id="negative-control-errors-past-timeout"),
+]
+
+
+@pytest.mark.parametrize("fault, fails", _FOLLOWER_FLAKY)
+def test_a_follower_whose_store_raises_sometimes_keeps_beating(tcp_store, fault, fails):
+    _, _, client = tcp_store
+    beat_store = FlakyStore(client(), fault)
+    with Watch(beat_store, client()) as w:
+        got = w.got.wait(4 * TIMEOUT)
+    if fails:
+        assert got and "rank 1 sent no heartbeat" in w.lost[0][0], w.lost
     else:
-        assert not got.wait(3 * TIMEOUT), lost
-    monitor.stop()
-    beat.stop()
+        assert not got, w.lost
+    assert beat_store.raised >= 3  # the fault was really injected
+
+
+# The driver's reads fail: a burst of 4 (1 s, below the 1.5 s timeout), then every other
+# one. Control: every read fails from call 4 on, which is a store that stopped answering.
+_MONITOR_FLAKY = [
+    pytest.param(lambda n: "raise" if 4 <= n < 8 or (n > 12 and n % 2 == 0) else None,
+                 False, id="transient-errors-survive"),
+    pytest.param(_burst(4, 10_000), True, id="negative-control-errors-past-timeout"),
+]
+
+
+@pytest.mark.parametrize("fault, fails", _MONITOR_FLAKY)
+def test_a_monitor_whose_store_raises_sometimes_does_not_fail(tcp_store, fault, fails):
+    _, _, client = tcp_store
+    monitor_store = FlakyStore(client(), fault)
+    with Watch(client(), monitor_store) as w:
+        got = w.got.wait(4 * TIMEOUT)
+    if fails:
+        assert got, "a store that never answers went unnoticed"
+        reason = w.lost[0][0]
+        assert "torchrun's store has not answered for" in reason
+        assert "injected store error" in reason  # names the last error
+    else:
+        assert not got, w.lost
+    assert monitor_store.raised >= 3  # the fault was really injected
+
+
+# One call blocks (a thread starved of CPU, a throttled pod, a retransmission) for 0.5 s, a
+# third of the timeout; the control blocks for 2.5 s, past it.
+_STALL = [pytest.param(0.5, False, id="short-stall-survives"),
+          pytest.param(2.5, True, id="negative-control-stall-past-timeout")]
+
+
+@pytest.mark.parametrize("stall, fails", _STALL)
+def test_a_follower_heartbeat_that_stalls_below_the_timeout_is_not_lost(tcp_store, stall,
+                                                                        fails):
+    _, _, client = tcp_store
+    beat_store = FlakyStore(client(), lambda n: stall if n == 4 else None)
+    with Watch(beat_store, client()) as w:
+        got = w.got.wait(4 * TIMEOUT)
+    if fails:
+        assert got and "rank 1 sent no heartbeat" in w.lost[0][0], w.lost
+    else:
+        assert not got, w.lost
+
+
+@pytest.mark.parametrize("stall, fails", _STALL)
+def test_a_monitor_read_that_blocks_is_noticed_only_past_the_timeout(tcp_store, stall,
+                                                                     fails):
+    """TCPStore calls can block indefinitely (``add`` on a SIGSTOPped server does): the
+    decision thread still sees the silence while the reader is stuck."""
+    _, _, client = tcp_store
+    monitor_store = FlakyStore(client(), lambda n: stall if n == 4 else None)
+    with Watch(client(), monitor_store) as w:
+        got = w.got.wait(4 * TIMEOUT)
+    if fails:
+        assert got and "torchrun's store has not answered" in w.lost[0][0], w.lost
+        assert "(calls blocked)" in w.lost[0][0]
+    else:
+        assert not got, w.lost

@@ -119,14 +119,16 @@ def test_bootstrap_first_poster_wins_and_round_trips(store_env):
     from keepalive_executor.torchrun.bootstrap import (
         connect_store,
         post_bootstrap,
+        post_nonce,
         wait_bootstrap,
     )
 
     store, env = store_env
     client = connect_store(env, timeout_s=10)
+    nonce = post_nonce(client, env)  # the follower (rank 1) first
     assert post_bootstrap(store, env, {"vllm_config": {"model": "m"}, "spec": 1}, SECRET)
     assert not post_bootstrap(store, env, {"error": "too late"}, SECRET)  # the first stays
-    boot = wait_bootstrap(client, env, 5, SECRET)
+    boot = wait_bootstrap(client, env, 5, SECRET, nonce)
     assert boot["vllm_config"] == {"model": "m"} and boot["spec"] == 1
 
 
@@ -135,17 +137,18 @@ def test_bootstrap_wait_times_out_with_a_clear_error(store_env):
 
     store, env = store_env
     with pytest.raises(TorchrunError, match="rank 0 published no configuration within 1.5s"):
-        wait_bootstrap(store, env, 1.5, SECRET)
+        wait_bootstrap(store, env, 1.5, SECRET, bytes(16))
 
 
 def test_bootstrap_from_another_version_is_refused(store_env):
-    from keepalive_executor.torchrun.bootstrap import sign, wait_bootstrap
+    from keepalive_executor.torchrun.bootstrap import post_nonce, sign, wait_bootstrap
 
     store, env = store_env
     key = env.key("bootstrap")
-    store.set(key, sign(SECRET, key, {"version": 99, "error": None}))
+    nonce = post_nonce(store, env)
+    store.set(key, sign(SECRET, key, {"version": 99, "error": None}, [nonce]))
     with pytest.raises(TorchrunError, match="bootstrap version 99.*same keepalive-executor"):
-        wait_bootstrap(store, env, 5, SECRET)
+        wait_bootstrap(store, env, 5, SECRET, nonce)
 
 
 class _Payload:
@@ -164,20 +167,26 @@ def test_a_forged_bootstrap_is_refused_before_anything_is_unpickled(store_env, t
     import os
     import pickle
 
-    from keepalive_executor.torchrun.bootstrap import sign, wait_bootstrap
+    from keepalive_executor.torchrun.bootstrap import (
+        BOOTSTRAP_VERSION,
+        post_nonce,
+        sign,
+        wait_bootstrap,
+    )
 
     store, env = store_env
     marker = tmp_path / "pwned"
     key = env.key("bootstrap")
-    evil = {"version": 2, "vllm_config": _Payload(str(marker))}
+    nonce = post_nonce(store, env)
+    evil = {"version": BOOTSTRAP_VERSION, "vllm_config": _Payload(str(marker))}
     raw = {"unsigned": pickle.dumps(evil),
-           "other-secret": sign(b"x" * 32, key, evil),
+           "other-secret": sign(b"x" * 32, key, evil, [nonce]),
            # a value really signed by this deployment, but for another attempt's key
-           "other-key": sign(SECRET, env.key("bootstrap") + "-old", evil)}[forgery]
+           "other-key": sign(SECRET, env.key("bootstrap") + "-old", evil, [nonce])}[forgery]
     store.set(key, raw)
     needle = "not signed" if forgery == "unsigned" else "failed authentication"
     with pytest.raises(TorchrunError, match=needle):
-        wait_bootstrap(store, env, 5, SECRET)
+        wait_bootstrap(store, env, 5, SECRET, nonce)
     assert not os.path.exists(marker), "the forged bootstrap ran code"
     # negative control: the same payload, unpickled without the check, does run code
     pickle.loads(pickle.dumps(evil))
@@ -231,13 +240,19 @@ def test_error_post_waits_for_the_other_ranks_to_have_read_it(store_env):
     import threading
     import time
 
-    from keepalive_executor.torchrun.bootstrap import post_bootstrap, post_error, wait_bootstrap
+    from keepalive_executor.torchrun.bootstrap import (
+        post_bootstrap,
+        post_error,
+        post_nonce,
+        wait_bootstrap,
+    )
 
     store, env = store_env
     seen = {}
 
     def follower():
-        boot = wait_bootstrap(store, env, 10, SECRET)
+        time.sleep(0.3)  # rank 0 is first here: the error waits for this rank's nonce
+        boot = wait_bootstrap(store, env, 10, SECRET, post_nonce(store, env))
         time.sleep(0.5)  # a slow reader: rank 0 must still be there when it acknowledges
         store.add(env.key("error-seen"), 1)
         seen["error"] = boot["error"]
@@ -254,6 +269,7 @@ def test_error_post_waits_for_the_other_ranks_to_have_read_it(store_env):
     store2_env = TorchrunEnv.from_environ({**GOOD, "MASTER_ADDR": "127.0.0.1",
                                            "MASTER_PORT": str(env.master_port),
                                            "TORCHELASTIC_RESTART_COUNT": "4"})
+    post_nonce(store, store2_env)
     post_bootstrap(store, store2_env, {"vllm_config": {}, "spec": None}, SECRET)
     t0 = time.monotonic()
     assert not post_error(store, store2_env, "late", SECRET, wait_s=10)
@@ -271,7 +287,8 @@ def test_a_follower_process_refuses_a_forged_bootstrap_and_runs_nothing(store_en
     store, env = store_env
     marker = tmp_path / "pwned"
     key = env.key("bootstrap")
-    store.set(key, sign(b"x" * 32, key, {"version": 2, "vllm_config": _Payload(str(marker))}))
+    store.set(key, sign(b"x" * 32, key, {"version": 3, "vllm_config": _Payload(str(marker))},
+                        [bytes(16)]))
     child_env = {**GOOD, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(env.master_port),
                  "VLLM_KEEPALIVE_SECRET": SECRET.decode(), "PATH": os.environ["PATH"],
                  "VLLM_KEEPALIVE_STARTUP_TIMEOUT_S": "20"}
@@ -296,3 +313,203 @@ def test_multimodal_shm_cache_is_refused_in_torchrun_mode_naming_the_flag():
     check_features(cfg("lru"))
     with pytest.raises(KeepaliveConfigError, match="--mm-processor-cache-type shm.*lru"):
         check_features(cfg("shm"))
+
+
+# ---------------------------------------------------------------- the per-run secret file
+
+
+def _old_create_node_secret(env, environ):
+    """The scheme before issue 14 (kept here for the negative control): the file is created
+    at its final path, then written."""
+    import contextlib
+    import os
+    import secrets
+
+    from keepalive_executor.torchrun import bootstrap
+
+    path = bootstrap.node_secret_path(env, environ)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        bootstrap._write_secret(f, secrets.token_hex(32))
+    return path
+
+
+@pytest.mark.parametrize("scheme", ["atomic", "negative-control-old-create-then-write"])
+def test_a_follower_racing_the_secret_writer_never_sees_a_short_key(tmp_path, monkeypatch,
+                                                                   scheme):
+    """Rank 0 pauses between creating the secret file and writing it; a follower polls for
+    the file meanwhile. With the rename it finds the whole secret; with the old scheme the
+    file exists, empty, during the pause (and the old follower verified with that empty key)."""
+    import os
+    import threading
+    import time
+
+    from keepalive_executor.torchrun import bootstrap
+
+    one_node = TorchrunEnv.from_environ({**GOOD, "LOCAL_WORLD_SIZE": "2"})
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    environ = {"XDG_RUNTIME_DIR": str(runtime)}
+    path = bootstrap.node_secret_path(one_node, environ)
+    created = threading.Event()
+    real_write = bootstrap._write_secret
+
+    def slow_write(f, value):
+        created.set()
+        time.sleep(0.5)  # the window between create and write
+        real_write(f, value)
+
+    monkeypatch.setattr(bootstrap, "_write_secret", slow_write)
+    create = bootstrap.create_node_secret if scheme == "atomic" else _old_create_node_secret
+    writer = threading.Thread(target=create, args=(one_node, environ))
+    writer.start()
+    assert created.wait(5)
+    # what a follower reading during the window gets
+    raw_in_window = open(path, "rb").read() if os.path.exists(path) else None
+    try:
+        secret = bootstrap.load_secret(one_node, environ, wait_s=5)[0]
+        refused = None
+    except TorchrunError as e:
+        secret, refused = None, str(e)
+    writer.join(5)
+    if scheme == "atomic":
+        assert raw_in_window is None  # nothing at the path until it is complete
+        assert secret == open(path, "rb").read().strip() and len(secret) == 64
+        assert not [p for p in os.listdir(runtime) if p.endswith(".tmp")]  # no leftovers
+    else:
+        assert raw_in_window == b""  # the old scheme exposed an empty key
+        # and the length check, now on every source, refuses it rather than verify with it
+        assert refused and "is 0 bytes; it must be at least 16" in refused
+
+
+def test_a_short_or_missing_per_run_secret_file_is_refused_clearly(tmp_path):
+    import os
+
+    from keepalive_executor.torchrun.bootstrap import load_secret, node_secret_path
+
+    one_node = TorchrunEnv.from_environ({**GOOD, "LOCAL_WORLD_SIZE": "2"})
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    environ = {"XDG_RUNTIME_DIR": str(runtime)}
+    with pytest.raises(TorchrunError, match=r"per-run secret file .* does not exist .*waited "
+                                            r"0.2s, VLLM_KEEPALIVE_STARTUP_TIMEOUT_S"):
+        load_secret(one_node, environ, wait_s=0.2)
+    path = node_secret_path(one_node, environ)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, b"abc\n")
+    os.close(fd)
+    with pytest.raises(TorchrunError, match=r"the per-run secret file .* is 3 bytes; it must "
+                                            r"be at least 16: .*remove it and restart"):
+        load_secret(one_node, environ, wait_s=5)
+
+
+# ---------------------------------------------------------------- bootstraps bound to a launch
+
+
+def _store_server():
+    """Another real TCPStore server on loopback: a later launch's torchrun agent."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return TCPStore("127.0.0.1", port, is_master=True,
+                    timeout=datetime.timedelta(seconds=10)), port
+
+
+def _follower(port: int) -> subprocess.Popen:
+    """The real rank 1 (`python -m keepalive_executor serve`) of a launch on that store."""
+    import os
+
+    child_env = {**GOOD, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                 "VLLM_KEEPALIVE_SECRET": SECRET.decode(), "PATH": os.environ["PATH"],
+                 "VLLM_KEEPALIVE_STARTUP_TIMEOUT_S": "60"}
+    return subprocess.Popen([sys.executable, "-m", "keepalive_executor", "serve", "m"],
+                            env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def test_a_bootstrap_recorded_from_one_launch_is_refused_in_a_later_one(store_env, tmp_path):
+    """Launch 1: a real follower posts its nonce, rank 0 (this test) signs a bootstrap with
+    it, the follower accepts it (and, as the payload shows, unpickles it). The value is
+    recorded. Launch 2, a fresh store as a new torchrun's, the same run id ``none``-style key
+    and the same secret: the recording is posted first, and the new real follower refuses it
+    as replayed before unpickling anything. Negative control: the same recording, checked
+    against launch 1's nonce (which is all the old scheme had: nothing new per launch),
+    passes and runs the payload."""
+    from keepalive_executor.torchrun.bootstrap import post_bootstrap, verify
+
+    store1, env = store_env
+    marker = tmp_path / "pwned"
+    key = env.key("bootstrap")
+    proc = _follower(env.master_port)
+    try:
+        assert post_bootstrap(store1, env, {"error": _Payload(str(marker))}, SECRET,
+                              nonce_wait_s=120)
+        out1, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "rank 1 not starting: rank 0 reported" in out1, out1[-3000:]
+    assert marker.exists()  # launch 1 accepted the value and unpickled it: a genuine one
+    recorded = bytes(store1.get(key))
+    nonce1 = bytes(store1.get(env.key("nonce/1")))
+    marker.unlink()
+
+    store2, port2 = _store_server()  # launch 2
+    store2.set(key, recorded)  # the attacker posts the recording first
+    proc = _follower(port2)
+    try:
+        out2, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out2[-3000:]
+    assert "rank 1 not starting" in out2 and "replayed or stale bootstrap" in out2, out2[-3000:]
+    assert not marker.exists(), "the replayed bootstrap was unpickled"
+    # negative control: without a fresh nonce the recording checks out, and runs
+    verify(SECRET, key, recorded, 1, nonce1)
+    assert marker.exists()
+
+
+def test_rank0_waits_for_every_follower_nonce_and_names_the_missing_ranks(store_env):
+    import time
+
+    from keepalive_executor.torchrun.bootstrap import post_bootstrap, post_nonce
+
+    store, env1 = store_env
+    three = {**GOOD, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(env1.master_port),
+             "WORLD_SIZE": "3", "RANK": "1"}
+    rank1 = TorchrunEnv.from_environ(three)
+    post_nonce(store, rank1)  # rank 2 never posts
+    t0 = time.monotonic()
+    with pytest.raises(TorchrunError, match=r"ranks \[2\] posted no nonce .* within 0.5s "
+                                            r"\(VLLM_KEEPALIVE_STARTUP_TIMEOUT_S\)"):
+        post_bootstrap(store, rank1, {"vllm_config": {}}, SECRET, nonce_wait_s=0.5)
+    assert 0.4 < time.monotonic() - t0 < 5
+    assert not store.check([rank1.key("bootstrap")])  # nothing was posted or claimed
+    assert store.add(rank1.key("bootstrap-claim"), 0) == 0
+
+
+def test_a_nonce_posted_by_someone_else_cannot_make_a_follower_accept_a_replay(store_env):
+    """An attacker pre-posts rank 1's nonce. If the follower's own comes after it (set
+    overwrites), rank 0 signs the follower's: accepted. If rank 0 signs the attacker's, the
+    follower refuses: at worst a denial of service, never an accepted stale value."""
+    from keepalive_executor.torchrun.bootstrap import post_bootstrap, post_nonce, wait_bootstrap
+
+    store, env = store_env
+    store.set(env.key("nonce/1"), b"A" * 16)
+    nonce = post_nonce(store, env)
+    assert post_bootstrap(store, env, {"vllm_config": {"m": 1}}, SECRET)
+    assert wait_bootstrap(store, env, 5, SECRET, nonce)["vllm_config"] == {"m": 1}
+    # the next attempt: rank 0 signs before the follower's nonce overwrote the attacker's
+    later = TorchrunEnv.from_environ({**GOOD, "MASTER_ADDR": "127.0.0.1",
+                                      "MASTER_PORT": str(env.master_port),
+                                      "TORCHELASTIC_RESTART_COUNT": "4"})
+    store.set(later.key("nonce/1"), b"A" * 16)
+    assert post_bootstrap(store, later, {"vllm_config": {"m": 2}}, SECRET)
+    with pytest.raises(TorchrunError, match="replayed or stale bootstrap"):
+        wait_bootstrap(store, later, 5, SECRET, post_nonce(store, later))

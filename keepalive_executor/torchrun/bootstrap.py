@@ -9,11 +9,20 @@ torchrun's store listens on every interface, and the bootstrap is a pickle: unau
 whoever reaches the port first could run code on every rank. So every value rank 0 posts is
 signed and checked **before anything is unpickled**::
 
-    b"KAB2" | HMAC-SHA256(secret, store key || body) (32 bytes) | body (pickle)
+    b"KAB3" | MAC (32 bytes) | n (4 bytes) | nonce of rank 1 .. rank n (16 bytes each) | body
+    MAC = HMAC-SHA256(secret, len(key) || store key || n || nonces || body (pickle))
 
 The store key is inside the MAC, so a value signed for one key (one attempt) cannot be
-replayed under another. A value without the prefix, or whose MAC does not match, is refused
-with a message naming the cause, and nothing of it is unpickled.
+replayed under another. The key repeats from one launch to the next, though (torchrun's
+static rendezvous has run id ``none``), so the key alone does not stop a bootstrap recorded
+from an earlier launch being replayed into a later one under the same secret. Hence the
+nonces: each follower first posts a fresh random nonce (:func:`post_nonce`, key
+``nonce/<rank>`` of this attempt), rank 0 waits for every follower's and signs them in, and
+each follower accepts only a value whose MAC holds *its* nonce, generated after it started,
+which no earlier recording can contain. A nonce an attacker pre-posts or overwrites can only
+make a follower refuse (denial of service, which whoever reaches the store can cause anyway).
+A value without the prefix, whose MAC does not match, or without this follower's nonce, is
+refused with a message naming the cause, and nothing of it is unpickled.
 
 The secret (:func:`load_secret`): ``VLLM_KEEPALIVE_SECRET`` (at least 16 bytes), or the file
 named by ``VLLM_KEEPALIVE_SECRET_FILE`` (not readable by group or others), the same on every
@@ -34,8 +43,9 @@ import os
 import pickle
 import secrets
 import stat
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from keepalive_executor.log import get_logger
@@ -49,8 +59,11 @@ __all__ = [
     "create_node_secret",
     "sign",
     "verify",
+    "NONCE_BYTES",
     "connect_store",
     "init_world_process_group",
+    "post_nonce",
+    "wait_nonces",
     "post_bootstrap",
     "post_error",
     "wait_bootstrap",
@@ -58,12 +71,17 @@ __all__ = [
 
 logger = get_logger(__name__)
 
-BOOTSTRAP_VERSION = 2
+BOOTSTRAP_VERSION = 3
 ENV_SECRET = "VLLM_KEEPALIVE_SECRET"
 ENV_SECRET_FILE = "VLLM_KEEPALIVE_SECRET_FILE"
 MIN_SECRET_BYTES = 16
-_MAGIC = b"KAB2"
+_MAGIC = b"KAB3"
 _MAC_BYTES = 32
+_COUNT_BYTES = 4
+NONCE_BYTES = 16
+#: How long rank 0 waits for the followers' nonces before posting a start-up error: it is
+#: already failing, so not the whole start-up timeout.
+ERROR_NONCE_WAIT_S = 10.0
 _HOW_TO_SET = (
     f"set {ENV_SECRET} to the same random value on every node, e.g. "
     f"`export {ENV_SECRET}=$(python -c 'import secrets; print(secrets.token_hex(32))')`, "
@@ -99,14 +117,31 @@ def node_secret_path(env: TorchrunEnv, environ: Mapping[str, str] | None = None,
 
 
 def create_node_secret(env: TorchrunEnv, environ: Mapping[str, str] | None = None) -> str:
-    """Rank 0 of a one-node run: create the per-run secret file; return its path."""
+    """Rank 0 of a one-node run: create the per-run secret file; return its path.
+
+    The secret is written to a temporary file in the same private directory and renamed into
+    place. The rename is atomic, so a follower polling for the path finds either no file or
+    the whole secret: never an empty or partial one, which it would otherwise verify with
+    (with an empty key, whoever posts first on the store could forge a bootstrap).
+    """
     path = node_secret_path(env, environ)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # a stale file of a recycled pid: never reuse a secret
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+    fd, tmp = tempfile.mkstemp(prefix=".secret-", suffix=".tmp", dir=os.path.dirname(path))
+    try:  # mkstemp creates it 0600
+        with os.fdopen(fd, "w") as f:
+            _write_secret(f, secrets.token_hex(32))
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
+
+
+def _write_secret(f: Any, value: str) -> None:
+    """Write the per-run secret (a seam: the race test pauses here)."""
+    f.write(value)
 
 
 def _read_secret_file(path: str, source: str) -> bytes:
@@ -124,17 +159,29 @@ def _read_secret_file(path: str, source: str) -> bytes:
     return value
 
 
-def load_secret(env: TorchrunEnv, environ: Mapping[str, str] | None = None) -> tuple[bytes, str]:
-    """The secret this rank signs or checks with, and where it came from."""
+def load_secret(env: TorchrunEnv, environ: Mapping[str, str] | None = None,
+                wait_s: float = 0.0) -> tuple[bytes, str]:
+    """The secret this rank signs or checks with, and where it came from.
+
+    The per-run secret of a one-node run may not exist yet when a follower starts: with
+    ``wait_s``, poll that long for rank 0 to create it (it appears whole, see
+    :func:`create_node_secret`). Every source, the per-run file included, must hold at least
+    ``MIN_SECRET_BYTES``.
+    """
     environ = os.environ if environ is None else environ
     if environ.get(ENV_SECRET):
         value, source = environ[ENV_SECRET].encode(), ENV_SECRET
+        fix = _HOW_TO_SET
     elif environ.get(ENV_SECRET_FILE):
         value = _read_secret_file(environ[ENV_SECRET_FILE], ENV_SECRET_FILE)
         source = f"{ENV_SECRET_FILE}={environ[ENV_SECRET_FILE]}"
+        fix = _HOW_TO_SET
     elif env.one_node:
-        path = node_secret_path(env, environ)
-        return _read_secret_file(path, "the per-run secret file"), f"per-run secret {path}"
+        path = _wait_for_file(node_secret_path(env, environ), wait_s)
+        value = _read_secret_file(path, "the per-run secret file")
+        source = f"the per-run secret file {path}"
+        fix = (f"rank 0 writes {2 * 32} bytes there, so something else wrote or truncated it; "
+               f"remove it and restart torchrun, or {_HOW_TO_SET}")
     else:
         raise TorchrunError(
             f"torchrun mode across several nodes (WORLD_SIZE={env.world_size}, "
@@ -143,37 +190,80 @@ def load_secret(env: TorchrunEnv, environ: Mapping[str, str] | None = None) -> t
         )
     if len(value) < MIN_SECRET_BYTES:
         raise TorchrunError(
-            f"{source} is {len(value)} bytes; it must be at least {MIN_SECRET_BYTES}: "
-            f"{_HOW_TO_SET}"
+            f"{source} is {len(value)} bytes; it must be at least {MIN_SECRET_BYTES}: {fix}"
         )
     return value, source
 
 
-def sign(secret: bytes, key: str, obj: Any) -> bytes:
-    """The signed value rank 0 posts under ``key``."""
+def _wait_for_file(path: str, wait_s: float) -> str:
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            raise TorchrunError(
+                f"the per-run secret file {path} does not exist (rank 0 creates it when it "
+                f"starts; waited {wait_s:g}s, VLLM_KEEPALIVE_STARTUP_TIMEOUT_S): is rank 0 "
+                f"running on this node under the same torchrun agent? Or {_HOW_TO_SET}"
+            )
+        time.sleep(0.05)
+    return path
+
+
+def _mac(secret: bytes, key: str, count: bytes, block: bytes, body: bytes) -> bytes:
+    k = key.encode()
+    # the key's length first: no other (key, nonces) split yields the same MAC input
+    return hmac.new(secret, len(k).to_bytes(4, "big") + k + count + block + body,
+                    hashlib.sha256).digest()
+
+
+def sign(secret: bytes, key: str, obj: Any, nonces: Sequence[bytes] = ()) -> bytes:
+    """The signed value rank 0 posts under ``key``, bound to the followers' ``nonces``
+    (rank 1's first; each ``NONCE_BYTES`` long)."""
+    if any(len(n) != NONCE_BYTES for n in nonces):
+        raise ValueError(f"every nonce must be {NONCE_BYTES} bytes")
     body = pickle.dumps(obj, protocol=5)
-    mac = hmac.new(secret, key.encode() + body, hashlib.sha256).digest()
-    return _MAGIC + mac + body
+    count = len(nonces).to_bytes(_COUNT_BYTES, "big")
+    block = b"".join(nonces)
+    return _MAGIC + _mac(secret, key, count, block, body) + count + block + body
 
 
-def verify(secret: bytes, key: str, raw: bytes) -> Any:
-    """Check ``raw`` (posted under ``key``) and only then unpickle it."""
+def verify(secret: bytes, key: str, raw: bytes, rank: int | None = None,
+           nonce: bytes | None = None) -> Any:
+    """Check ``raw`` (posted under ``key``) and only then unpickle it.
+
+    With ``rank`` and ``nonce`` (a follower), the value must also hold that rank's nonce:
+    otherwise it was signed for another launch, and is refused as replayed or stale.
+    """
     raw = bytes(raw)
-    if not raw.startswith(_MAGIC) or len(raw) < len(_MAGIC) + _MAC_BYTES:
+    head = len(_MAGIC) + _MAC_BYTES + _COUNT_BYTES
+    if not raw.startswith(_MAGIC) or len(raw) < head:
         raise TorchrunError(
             f"the bootstrap under {key!r} on torchrun's store is not signed: it was not "
             "posted by rank 0 of a keepalive-executor of this version; refusing it unread "
             "(is another program, or an older keepalive-executor, using this store?)"
         )
     mac = raw[len(_MAGIC) : len(_MAGIC) + _MAC_BYTES]
-    body = raw[len(_MAGIC) + _MAC_BYTES :]
-    expected = hmac.new(secret, key.encode() + body, hashlib.sha256).digest()
-    if not hmac.compare_digest(mac, expected):
+    count = raw[len(_MAGIC) + _MAC_BYTES : head]
+    n = int.from_bytes(count, "big")
+    block = raw[head : head + n * NONCE_BYTES]
+    body = raw[head + n * NONCE_BYTES :]
+    if len(block) != n * NONCE_BYTES or not hmac.compare_digest(
+            mac, _mac(secret, key, count, block, body)):
         raise TorchrunError(
             f"the bootstrap under {key!r} on torchrun's store failed authentication "
             "(HMAC mismatch): it was posted by something other than rank 0 of this "
             f"deployment, or {ENV_SECRET} differs between nodes; refusing it unread"
         )
+    if nonce is not None:
+        if rank is None:
+            raise ValueError("a nonce is checked for a rank: pass rank too")
+        mine = block[(rank - 1) * NONCE_BYTES : rank * NONCE_BYTES] if 1 <= rank <= n else b""
+        if not hmac.compare_digest(mine, nonce):
+            raise TorchrunError(
+                f"the bootstrap under {key!r} on torchrun's store is authentic but does not "
+                f"hold rank {rank}'s nonce of this launch: a replayed or stale bootstrap "
+                "(recorded from an earlier launch, or signed before this rank's nonce was "
+                "posted, e.g. over a nonce something else posted first); refusing it unread"
+            )
     return pickle.loads(body)
 
 
@@ -214,24 +304,77 @@ def init_world_process_group(env: TorchrunEnv, vllm_config: Any, timeout_s: floa
     )
 
 
-def post_bootstrap(store: Any, env: TorchrunEnv, payload: dict[str, Any], secret: bytes) -> bool:
-    """Publish the signed bootstrap once per attempt; False if something was there first."""
+def post_nonce(store: Any, env: TorchrunEnv) -> bytes:
+    """A follower: post a fresh random nonce for this attempt (before it reads the
+    bootstrap), for rank 0 to sign in; return it. ``set`` overwrites anything posted there
+    before this rank started."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    store.set(env.key(f"nonce/{env.rank}"), nonce)
+    return nonce
+
+
+def wait_nonces(store: Any, env: TorchrunEnv, timeout_s: float, *, partial: bool = False
+                ) -> list[bytes]:
+    """Rank 0: every follower's nonce (rank 1's first), polled for up to ``timeout_s``.
+
+    Past the bound, raise naming the missing ranks, or with ``partial`` use zeros for them
+    (for a start-up error: the ranks that posted still learn of it). A value that is not a
+    nonce (wrong length, posted by something else) is signed as zeros: that follower refuses
+    the bootstrap, as it would any not bound to its own nonce.
+    """
+    keys = {r: env.key(f"nonce/{r}") for r in range(1, env.world_size)}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r, k in keys.items() if not store.check([k])]
+        if not missing:
+            break
+        if time.monotonic() >= deadline:
+            if partial:
+                logger.warning("ranks %s posted no nonce within %gs; they will refuse the "
+                               "start-up error as stale", missing, timeout_s)
+                break
+            raise TorchrunError(
+                f"rank 0: ranks {missing} posted no nonce on torchrun's store at "
+                f"{env.address} within {timeout_s:g}s (VLLM_KEEPALIVE_STARTUP_TIMEOUT_S): "
+                "they did not start, or cannot reach the store; see their logs, or raise "
+                "the timeout"
+            )
+        time.sleep(0.05)
+    zero = bytes(NONCE_BYTES)
+    out = []
+    for r, k in keys.items():
+        value = bytes(store.get(k)) if r not in missing else zero
+        out.append(value if len(value) == NONCE_BYTES else zero)
+    return out
+
+
+def post_bootstrap(store: Any, env: TorchrunEnv, payload: dict[str, Any], secret: bytes,
+                   nonce_wait_s: float = 0.0, *, partial: bool = False) -> bool:
+    """Publish the signed bootstrap once per attempt; False if something was there first.
+
+    Waits (up to ``nonce_wait_s``) for every follower's nonce first and signs them in; see
+    :func:`wait_nonces` for ``partial``.
+    """
+    nonces = wait_nonces(store, env, nonce_wait_s, partial=partial)
     if store.add(env.key("bootstrap-claim"), 1) != 1:
         return False
     key = env.key("bootstrap")
-    store.set(key, sign(secret, key, {"version": BOOTSTRAP_VERSION, **payload}))
+    store.set(key, sign(secret, key, {"version": BOOTSTRAP_VERSION, **payload}, nonces))
     return True
 
 
 def post_error(store: Any, env: TorchrunEnv, message: str, secret: bytes,
-               wait_s: float = 0.0) -> bool:
+               wait_s: float = 0.0, nonce_wait_s: float = ERROR_NONCE_WAIT_S) -> bool:
     """Tell every waiting rank that rank 0 will not start (first poster wins).
 
-    With ``wait_s``, wait that long for every other rank to say it has read the error:
-    torchrun stops the remaining ranks as soon as rank 0 exits, and each should have
-    printed why first.
+    Signed like the configuration, with the followers' nonces (waiting up to
+    ``nonce_wait_s`` for them; a rank that posted none by then refuses it as stale, and
+    fails on its own). With ``wait_s``, wait that long for every other rank to say it has
+    read the error: torchrun stops the remaining ranks as soon as rank 0 exits, and each
+    should have printed why first.
     """
-    posted = post_bootstrap(store, env, {"error": message}, secret)
+    posted = post_bootstrap(store, env, {"error": message}, secret, nonce_wait_s,
+                            partial=True)
     if not posted:
         key = env.key("bootstrap")
         with contextlib.suppress(Exception):
@@ -250,10 +393,11 @@ def post_error(store: Any, env: TorchrunEnv, message: str, secret: bytes,
     return posted
 
 
-def wait_bootstrap(store: Any, env: TorchrunEnv, timeout_s: float, secret: bytes
-                   ) -> dict[str, Any]:
+def wait_bootstrap(store: Any, env: TorchrunEnv, timeout_s: float, secret: bytes,
+                   nonce: bytes) -> dict[str, Any]:
     """Poll (so that signals are handled, and without the warning torch logs for every
-    timed-out ``wait``) for rank 0's bootstrap; check it, then unpickle it."""
+    timed-out ``wait``) for rank 0's bootstrap; check it (MAC, and that it holds ``nonce``,
+    what :func:`post_nonce` posted for this rank), then unpickle it."""
     key = env.key("bootstrap")
     deadline = time.monotonic() + timeout_s
     next_note = time.monotonic() + 30
@@ -273,7 +417,7 @@ def wait_bootstrap(store: Any, env: TorchrunEnv, timeout_s: float, secret: bytes
         if now >= next_note:
             logger.info("rank %d: still waiting for rank 0's engine to start", env.rank)
             next_note = now + 30
-    boot = verify(secret, key, store.get(key))
+    boot = verify(secret, key, store.get(key), env.rank, nonce)
     if not isinstance(boot, dict) or boot.get("version") != BOOTSTRAP_VERSION:
         version = boot.get("version") if isinstance(boot, dict) else type(boot).__name__
         raise TorchrunError(

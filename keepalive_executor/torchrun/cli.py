@@ -6,12 +6,14 @@
     ------                                        ------------
     (one node, no secret set: create the
      per-run secret file)
-    vLLM's API server (``vllm serve`` argv)       ignore argv; wait on the agent's store
+    vLLM's API server (``vllm serve`` argv)       ignore argv; post a fresh nonce on the
+                                                  agent's store, then wait there
      `- EngineCore process
           KeepaliveExecutor (driver, rank 0):
             validate (WORLD_SIZE == TP) ------->  bootstrap key: an error, or the
-            post {vllm_config, channel spec,      driver's configuration; checked
-                  liveness timeout}, signed ----> (HMAC) before it is unpickled
+            wait for every follower's nonce,      driver's configuration; checked
+            post {vllm_config, channel spec,      (HMAC, holds this rank's nonce)
+                  liveness timeout}, signed ----> before it is unpickled
             join the process groups (on torchrun's store, scoped to this attempt)
             broadcast steps and keepalives ---->  receive loop (worker_loop.run_worker)
             watch heartbeats on the store <-----  heartbeat thread
@@ -50,6 +52,7 @@ from keepalive_executor.torchrun.bootstrap import (
     init_world_process_group,
     load_secret,
     post_error,
+    post_nonce,
     wait_bootstrap,
 )
 from keepalive_executor.torchrun.env import (
@@ -232,23 +235,14 @@ def _follow(env: TorchrunEnv) -> int:
 
 
 def _read_bootstrap(store: Any, env: TorchrunEnv, timeout_s: float) -> dict[str, Any]:
-    secret, _ = _wait_for_secret(env, timeout_s)
-    return wait_bootstrap(store, env, timeout_s, secret)
-
-
-def _wait_for_secret(env: TorchrunEnv, timeout_s: float) -> tuple[bytes, str]:
-    """A one-node follower may start before rank 0 created the per-run secret file."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return load_secret(env)
-        except TorchrunError:
-            if not env.one_node or time.monotonic() >= deadline or os.environ.get(ENV_SECRET) \
-                    or os.environ.get(ENV_SECRET_FILE):
-                raise
-        time.sleep(0.1)
+    # First of all this rank's nonce: rank 0 signs the bootstrap only once it has every
+    # follower's, and this rank accepts only a bootstrap that holds its own (no replay of a
+    # recording from an earlier launch).
+    nonce = post_nonce(store, env)
+    # A one-node follower may start before rank 0 created the per-run secret file: wait for
+    # it (it appears whole), within the start-up timeout.
+    secret, _ = load_secret(env, wait_s=timeout_s)
+    return wait_bootstrap(store, env, timeout_s, secret, nonce)
 
 
 USAGE = """\

@@ -6,15 +6,26 @@ small broadcast can complete on the root without the receiver, and a step's coll
 no timeout of their own. So every follower beats on the agent's store, a TCP service that
 does not depend on the transport::
 
-    follower (thread keepalive-heartbeat)      driver (thread keepalive-liveness)
-    every timeout/6: add(alive/<rank>, 1)      every timeout/6: read alive/<rank> of each rank;
-                                               a counter that has not moved for `timeout`
-                                               seconds (driver's own clock: no clock skew
-                                               between nodes matters) -> that rank is lost
+    follower (thread keepalive-heartbeat)      driver (threads keepalive-liveness[-reader])
+    every timeout/6: add(alive/<rank>, 1)      reader, every timeout/6: read alive/<rank> of
+    (a failed add is retried at the next       each rank; decision, every timeout/6: a
+     beat, not fatal)                          counter that has not moved for `timeout`, or
+                                               a store that has not answered for `timeout`
+                                               (driver's own clock: no clock skew between
+                                               nodes matters) -> lost
 
 A lost process, a lost node and a partition all stop the counter, so any of them is noticed
-within ``timeout`` plus one poll (``VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S``, default 1.5 s, so
-under 2 s). The decision is the pure :class:`LivenessCore` with an injectable clock.
+within ``timeout`` plus two polls (one to see the last beat, one to see the counter still):
+``VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S``, default 1.5 s on one node and 5 s across nodes, see
+:func:`keepalive_executor.config.default_liveness_timeout_s`.
+
+**Transient errors are tolerated, silence is not.** One exception from a store call (a reset
+connection, a timeout under load) says nothing about whether a rank is alive, so neither side
+acts on it: the follower keeps beating, and the driver counts a store as lost only once *no*
+read has answered for the timeout. The decision runs in its own thread because a TCPStore
+call can block indefinitely (seen here: ``add`` on a SIGSTOPped server never returns), and a
+blocked reader must still be noticed. The decision is the pure :class:`LivenessCore` with an
+injectable clock.
 """
 
 from __future__ import annotations
@@ -30,29 +41,69 @@ __all__ = ["LivenessCore", "Heartbeat", "LivenessMonitor", "BEATS_PER_TIMEOUT"]
 
 logger = get_logger(__name__)
 BEATS_PER_TIMEOUT = 6
+#: At most one warning per this many seconds for repeated store errors (a flaky link would
+#: otherwise log six lines per timeout, forever).
+ERROR_LOG_INTERVAL_S = 10.0
+ENV_LIVENESS = "VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S"
 
 
 class LivenessCore:
-    """Which ranks are lost, from observed counter values and the observer's clock."""
+    """Which ranks are lost, and whether the store is, from observations and a clock.
+
+    Every argument ``now`` is the observer's clock; nothing here reads a clock itself. A rank
+    is lost on evidence only: a read that *answered* showed its counter still for more than
+    the timeout. While reads fail or block, a rank's counter is unknown, not still: that is
+    the store's silence, reported as such once no read of some rank has answered for the
+    timeout (a store that answers again within it costs nothing).
+    """
 
     def __init__(self, ranks: Iterable[int], timeout_s: float, now: float) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.timeout_s = timeout_s
-        self._seen: dict[int, tuple[int | None, float]] = {r: (None, now) for r in ranks}
+        # rank -> (last value read, when it was first read, when it was last read)
+        self._seen: dict[int, tuple[int | None, float, float]] = {
+            r: (None, now, now) for r in ranks}
 
     def observe(self, rank: int, value: int, now: float) -> None:
-        """Rank ``rank``'s counter reads ``value`` at ``now``."""
-        last, since = self._seen[rank]
-        if value != last:
-            self._seen[rank] = (value, now)
+        """A read of rank ``rank``'s counter answered ``value`` at ``now``."""
+        last, since, read = self._seen[rank]
+        self._seen[rank] = (value, now if value != last else since, max(read, now))
 
     def lost(self, now: float) -> list[tuple[int, float]]:
-        """``(rank, seconds since its counter last moved)`` for each rank past the timeout."""
+        """``(rank, seconds its counter was seen still)`` for each rank whose last answered
+        read found it unmoved for more than the timeout."""
         return sorted(
-            (r, now - since) for r, (_, since) in self._seen.items()
-            if now - since > self.timeout_s
+            (r, read - since) for r, (_, since, read) in self._seen.items()
+            if read - since > self.timeout_s
         )
+
+    def store_silent(self, now: float) -> float | None:
+        """Seconds since some rank's counter was last read, if past the timeout, else None."""
+        if not self._seen:
+            return None
+        silent = now - min(read for _, _, read in self._seen.values())
+        return silent if silent > self.timeout_s else None
+
+
+class _RateLimited:
+    """Log a repeated failure once, then at most every ERROR_LOG_INTERVAL_S with a count."""
+
+    def __init__(self, what: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._what = what
+        self._clock = clock
+        self._next = float("-inf")
+        self._suppressed = 0
+
+    def failed(self, error: BaseException) -> None:
+        now = self._clock()
+        if now < self._next:
+            self._suppressed += 1
+            return
+        more = f" ({self._suppressed} more since the last warning)" if self._suppressed else ""
+        logger.warning("%s failed, retrying: %s%s", self._what, error, more)
+        self._suppressed = 0
+        self._next = now + ERROR_LOG_INTERVAL_S
 
 
 def _key(key_of: Callable[[str], str], rank: int) -> str:
@@ -86,28 +137,34 @@ class _Periodic:
 
 
 class Heartbeat(_Periodic):
-    """A follower's heartbeat thread (``keepalive-heartbeat``)."""
+    """A follower's heartbeat thread (``keepalive-heartbeat``).
+
+    A failed ``add`` is logged (rate-limited) and the next beat tries again: only a counter
+    that stays still for the whole timeout makes the driver declare this rank lost.
+    """
 
     def __init__(self, store: Any, key_of: Callable[[str], str], rank: int,
                  timeout_s: float) -> None:
         super().__init__(timeout_s / BEATS_PER_TIMEOUT, "keepalive-heartbeat")
         self._store = store
         self._key = _key(key_of, rank)
+        self._errors = _RateLimited(f"rank {rank}'s heartbeat to torchrun's store")
 
     def _tick(self) -> bool:
         try:
             self._store.add(self._key, 1)
-        except Exception as e:  # noqa: BLE001 - the driver notices the silence
-            logger.warning("heartbeat to torchrun's store failed; stopping it: %s", e)
-            return False
+        except Exception as e:  # noqa: BLE001 - transient until the driver sees silence
+            self._errors.failed(e)
         return True
 
 
 class LivenessMonitor(_Periodic):
-    """The driver's watch over followers' heartbeats (thread ``keepalive-liveness``).
+    """The driver's watch over followers' heartbeats.
 
-    ``on_lost(reason)`` is called once, for the first rank lost (or if the store is lost);
-    the thread then ends. stop() ends it too.
+    Two threads: ``keepalive-liveness-reader`` reads the counters (its store calls may fail,
+    which it retries, or block), and ``keepalive-liveness`` decides from what was read and
+    the clock. ``on_lost(reason)`` is called once, for the first rank lost or for a store
+    that has not answered for the timeout; both threads then end. stop() ends them too.
     """
 
     def __init__(self, store: Any, key_of: Callable[[str], str], ranks: Iterable[int],
@@ -118,28 +175,60 @@ class LivenessMonitor(_Periodic):
         self._key_of = key_of
         self._ranks = list(ranks)
         self._clock = clock
+        self._lock = threading.Lock()
         self._core = LivenessCore(self._ranks, timeout_s, clock())
         self._on_lost = on_lost
+        self._errors = _RateLimited("reading heartbeats from torchrun's store", clock)
+        self._last_error: BaseException | None = None
+        self._reader = threading.Thread(target=self._read_loop, name="keepalive-liveness-reader",
+                                        daemon=True)
+
+    def start(self) -> None:
+        """Start the reader and the decision thread (once)."""
+        self._reader.start()
+        super().start()
+
+    def _read_loop(self) -> None:
+        while not self._stop.is_set():
+            for r in self._ranks:
+                try:
+                    value = int(self._store.add(_key(self._key_of, r), 0))
+                except Exception as e:  # noqa: BLE001 - not a loss by itself; silence is
+                    self._last_error = e
+                    self._errors.failed(e)
+                    continue
+                self._last_error = None  # the error to name is the one in a silence
+                with self._lock:
+                    self._core.observe(r, value, self._clock())
+            # decide at once from fresh reads (no wait for the decision thread's next tick)
+            if not self._tick():
+                return
+            self._stop.wait(self._period)
 
     def _tick(self) -> bool:
-        try:
-            for r in self._ranks:
-                self._core.observe(r, int(self._store.add(_key(self._key_of, r), 0)),
-                                   self._clock())
-        except Exception as e:  # noqa: BLE001 - the agent hosting the store is gone
-            if not self._stop.is_set():
-                self._on_lost(f"torchrun's store stopped answering ({e}); node 0's agent "
-                              "is gone")
-            return False
-        lost = self._core.lost(self._clock())
-        if lost and not self._stop.is_set():
-            rank, silent = lost[0]
+        """Decide; called by both threads, so the first verdict is the only one."""
+        with self._lock:
+            if self._stop.is_set():
+                return False
+            now = self._clock()
+            silent = self._core.store_silent(now)
+            lost = self._core.lost(now)
+            if silent is not None or lost:
+                self._stop.set()  # both threads end; on_lost runs once, below
+        if silent is not None:
+            cause = f"; last error: {self._last_error}" if self._last_error else \
+                " (calls blocked)"
             self._on_lost(
-                f"rank {rank} sent no heartbeat for {silent:.2f}s (torchrun mode, "
+                f"torchrun's store has not answered for {silent:.2f}s ({ENV_LIVENESS}="
+                f"{self._core.timeout_s:g}s){cause}: node 0's agent, or the network to it, "
+                "is lost"
+            )
+            return False
+        if lost:
+            rank, since = lost[0]
+            self._on_lost(
+                f"rank {rank} sent no heartbeat for {since:.2f}s (torchrun mode, "
                 f"{ENV_LIVENESS}={self._core.timeout_s:g}s): its process or node is lost"
             )
             return False
         return True
-
-
-ENV_LIVENESS = "VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S"

@@ -65,7 +65,8 @@ class TorchrunRanks:
             "spec": settings.channel,
             "liveness_timeout_s": settings.liveness_timeout_s,
         }
-        if not post_bootstrap(self._store, self.env, payload, self._secret):
+        # waits for every follower's nonce (bound to this launch), within the start-up timeout
+        if not post_bootstrap(self._store, self.env, payload, self._secret, self._timeout_s):
             raise RuntimeError(
                 "torchrun's store already holds a bootstrap for this run and attempt "
                 f"({self.env.key('bootstrap')}): another rank 0 is running, or something "
