@@ -262,14 +262,24 @@ class TorchrunServer(Server):
         return [a.poll() for a in self.agents]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int | None:
-        """Signal every agent, wait, then kill whatever is left (tagged). Agent 0's code."""
+        """Signal every agent, wait, then kill whatever is left (tagged). Agent 0's code.
+
+        ``self.sigkilled`` lists the agents that had not exited on ``sig`` within
+        ``timeout`` and were SIGKILLed; ``self.stop_codes`` every agent's code. A second call
+        (the ``finally`` of a test) leaves both as the first call set them."""
+        first = not hasattr(self, "sigkilled")
         for a in self.agents:
             if a.poll() is None:
                 a.send_signal(sig)
         self.wait_agents(timeout)
-        for a in self.agents:
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
+        killed = [i for i, a in enumerate(self.agents) if a.poll() is None]
+        for i in killed:
+            os.killpg(self.agents[i].pid, signal.SIGKILL)
+        if first:
+            self.sigkilled = killed
+            for a in self.agents:
+                a.wait(10)
+            self.stop_codes = [a.poll() for a in self.agents]
         self.leftovers = self.kill_leftovers()
         for log in self._logs:
             log.close()
