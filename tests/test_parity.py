@@ -174,13 +174,16 @@ def test_kv_connector_outputs_are_merged_from_every_rank_as_mp_does(kv):
 
 @slow
 def test_negative_control_rank0_connector_output_alone_goes_wrong(kv):  # noqa: D401
-    """What the executor did before: rank 0's output alone. Rank 1's load failure is lost
-    (it attends to zeroed KV, so the answer changes), and its finished reports too (blocks
-    stay allocated)."""
+    """What the executor did before: rank 0's output alone. Rank 1's load failure is lost: it
+    attends to zeroed KV, so the answer changes. (Rank 1's finished reports are lost too, but
+    that does not show here: without the merge the scheduler frees a request's blocks on rank
+    0's report alone, earlier than it should, and as many blocks are free at the end, 1 held,
+    as with the merge. An earlier version of this test claimed blocks stayed allocated and
+    accepted either loss; seen false when both were required.)"""
     res = kv[NO_MERGE]
     computed, _, failed_on_rank1 = (run["ids"] for run in res["runs"])
     assert res["fault_fired"]
-    assert failed_on_rank1 != computed or res["blocks_held_after"] > 1, res
+    assert failed_on_rank1 != computed, res
 
 
 # ---------------------------------------------------------------- through vllm serve
