@@ -79,6 +79,9 @@ _TEST_NO_CONNECTOR_MERGE_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_CONNECTOR_MERGE
 #: a test can show that a rank dying inside the rendezvous then fails start-up only at its
 #: timeout. Not an option.
 _TEST_LATE_WORKER_WATCH_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_LATE_WORKER_WATCH"
+#: Test-only: shut down without receiving the pipeline outputs still in flight (the old
+#: order), so a test can show the output rank then blocks in its send. Not an option.
+_TEST_NO_SHUTDOWN_DRAIN_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_SHUTDOWN_DRAIN"
 #: How long shutdown waits for the channel (a step finishing, the SHUTDOWN broadcast), and
 #: for each of rank 0's own clean-up calls.
 SHUTDOWN_SEND_S = 5.0
@@ -432,19 +435,8 @@ class KeepaliveExecutor(Executor):
         if self._pacer is not None:
             self._pacer.stop(timeout=SHUTDOWN_SEND_S)
         if self._outputs is not None:
-            # PP: batches may still be in flight. Receive their outputs before failing the
-            # futures: the output rank blocks in its send until rank 0 receives, so it would
-            # never read SHUTDOWN (then SIGTERM, SIGKILL). The pacer is already stopped: the
-            # in-flight steps keep it from sending anyway, and none can race SHUTDOWN.
-            if failed:
-                pass  # the link may be gone; the ranks are stopped by signal anyway
-            elif os.environ.get("_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_SHUTDOWN_DRAIN") == "1":
-                logger.warning("TEST ONLY: shutdown does not drain the pipeline's outputs")
-            elif not self._outputs.drain(SHUTDOWN_SEND_S):
-                logger.warning(
-                    "keepalive: %d pipeline output(s) did not arrive within %gs of shutdown; "
-                    "rank %d may stay blocked in its send and be stopped by signal",
-                    self._outputs.pending, SHUTDOWN_SEND_S, self.output_rank)
+            if not failed:  # after a failure the link may be gone; signals stop the ranks
+                self._drain_outputs()
             self._outputs.fail_all(ExecutorFailedError("keepalive executor is shut down"))
             self._outputs.stop()
         channel, steps = self._channel, self._steps
@@ -469,6 +461,20 @@ class KeepaliveExecutor(Executor):
             os.unlink(init_method[7:])
         self._finalizer.detach()
         logger.info("keepalive executor shut down; worker exit codes %s", codes)
+
+    def _drain_outputs(self) -> None:
+        """PP: receive the outputs of batches still in flight (bounded) before SHUTDOWN. The
+        output rank blocks in its send until rank 0 receives, so it would never read SHUTDOWN
+        (then SIGTERM, SIGKILL). The pacer is already stopped: the in-flight steps keep it
+        from sending anyway, and none can race SHUTDOWN."""
+        assert self._outputs is not None
+        if os.environ.get(_TEST_NO_SHUTDOWN_DRAIN_ENV) == "1":
+            logger.warning("TEST ONLY: shutdown does not drain the pipeline's outputs")
+        elif not self._outputs.drain(SHUTDOWN_SEND_S):
+            logger.warning(
+                "keepalive: %d pipeline output(s) did not arrive within %gs of shutdown; "
+                "rank %d may stay blocked in its send and be stopped by signal",
+                self._outputs.pending, SHUTDOWN_SEND_S, self.output_rank)
 
 
 def _allocate_pipeline_buffers(worker: Any) -> bool:

@@ -7,4 +7,4 @@ bash "$repo/scripts/setup.sh"
 venv="${KEEPALIVE_VENV:-$repo/.venv}"
 cd "$repo"
 "$venv/bin/ruff" check keepalive_executor tests benchmarks
-exec "$venv/bin/python" -m pytest -ra -p no:cacheprovider --durations=15 tests "$@"
+exec "$venv/bin/python" -m pytest -ra -p no:cacheprovider --durations=0 tests "$@"
