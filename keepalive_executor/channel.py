@@ -49,7 +49,7 @@ which the channel is closed. Receivers still take messages one at a time, in ord
 
 Devices. On CPU (gloo) the frame is the host buffer and a receiver's wait sleeps inside gloo.
 On a GPU (NCCL/RCCL) the channel owns **one CUDA stream**: every copy and broadcast of the
-channel is issued on it, whichever thread sends (the engine thread, the pacer thread), so a
+channel is issued on it, whichever thread sends (rank 0's driver thread, the pacer thread), so a
 frame copy can never overtake a keepalive still in flight on the same buffer; each thread that
 uses the channel calls :meth:`BroadcastChannel.bind_thread` first (it sets the device). A
 receiver does not block in a device-to-host copy while idle (with CUDA's default scheduling
