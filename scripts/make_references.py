@@ -1,7 +1,7 @@
 """Compute the reference outputs the parity tests compare keepalive with, by running them.
 
 ``python scripts/make_references.py [NAME ...] [--force] [--jobs N]`` runs each reference of
-``tests/parity_scripts.py``'s ``REFERENCES`` (vLLM's ``mp`` executor, or TP=1 without a
+``tests/reference_calls.py``'s ``REFERENCES`` (vLLM's ``mp`` executor, or TP=1 without a
 distributed executor) through the very call ``tests/test_parity.py`` would make live,
 ``run_engine.run_script``, and writes ``tests/references/NAME.json``: the result and the key it
 is valid for (vLLM, torch and package versions, the tiny model builder, the scripts, the CPU's
@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts")]
 
-from parity_scripts import REFERENCES  # noqa: E402
+from reference_calls import REFERENCES  # noqa: E402
 from run_engine import Reference, reference_call, run_script  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 

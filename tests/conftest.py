@@ -55,7 +55,7 @@ def run_ranks(scenario: str, world: int, *, timeout_s: float, wall_s: float, **k
     return results
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def ranks():
     return run_ranks
 
@@ -66,6 +66,29 @@ def tiny_model(tmp_path_factory) -> str:
     from tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model, tmp_path_factory):
+    """``reference(NAME)``: the result of reference_calls.REFERENCES[NAME] (vLLM's mp, or
+    TP=1), cached in tests/references/ when its key matches this environment, otherwise run
+    live now and its file rewritten (run_engine.Reference); each is looked up once per
+    session, and the test output says which it was."""
+    from reference_calls import REFERENCES
+    from run_engine import Reference, reference_call, say
+
+    results: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in results:
+            work = tmp_path_factory.mktemp(f"{name}-ref")
+            ref = Reference.look_up(name, reference_call(REFERENCES[name], tiny_model, work),
+                                    tiny_model)
+            say(ref.message())
+            results[name] = ref.result()
+        return results[name]
+
+    return get
 
 
 @pytest.fixture

