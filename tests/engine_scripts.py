@@ -208,30 +208,6 @@ def sleep_on_rank0(worker: Any, seconds: float) -> int:
     return worker.rank
 
 
-def runtime_bad_input(model: str) -> dict:
-    """Over-size and unpicklable collective_rpc arguments, then the executor still works.
-    Run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so arguments reach the executor as is."""
-    import threading
-
-    set_binding(2)
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(**engine_kwargs(model, 2, "keepalive"))
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    before = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    result: dict[str, Any] = {}
-    for name, arg in [("oversize", b"x" * (2 << 20)), ("unpicklable", threading.Lock())]:
-        try:
-            llm.collective_rpc(echo_len, args=(arg,))
-            result[name] = None
-        except Exception as e:  # noqa: BLE001 - the test reads the message
-            result[name] = f"{type(e).__name__}: {e}"
-    result["small"] = llm.collective_rpc(echo_len, args=(b"y" * 1000,))
-    after = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    result["same_after"] = before == after
-    return result
-
-
 def step_stall(model: str, short_s: float, long_s: float, cpu_timeout_s: int) -> dict:
     """A stall of rank 0 inside a call whose replies rank 1 waits for on the gloo CPU group:
     shorter than that group's timeout it is harmless; longer, it must fail clearly."""
@@ -265,8 +241,10 @@ def _driver_only_object() -> Any:
 
 
 def inprocess_holes(model: str, fault_dir: str, backend: str = "keepalive") -> dict:
-    """One in-process engine (the user's process; VLLM_ENABLE_V1_MULTIPROCESSING=0), four
-    checks in order, the fatal one last:
+    """One in-process engine (the user's process; VLLM_ENABLE_V1_MULTIPROCESSING=0, so
+    arguments reach the executor as they are), five checks in order, the fatal one last:
+    0. over-size and unpicklable collective_rpc arguments fail before anything is sent, and
+       the channel stays in sync (a small one still arrives, the answers stay the same);
     1. a collective_rpc argument only rank 0 can decode: an error naming the rank, and the
        engine stays usable;
     2. collective_rpc from a second thread while the first generates: same answers, no hang;
@@ -284,6 +262,14 @@ def inprocess_holes(model: str, fault_dir: str, backend: str = "keepalive") -> d
                    for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     result: dict[str, Any] = {}
     before = gen()
+    for name, arg in [("oversize", b"x" * (2 << 20)), ("unpicklable", threading.Lock())]:
+        try:
+            llm.collective_rpc(echo_len, args=(arg,))
+            result[name] = None
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            result[name] = f"{type(e).__name__}: {e}"
+    result["small"] = llm.collective_rpc(echo_len, args=(b"y" * 1000,))
+    result["same_after_bad_input"] = gen() == before
     try:
         llm.collective_rpc(echo_len, args=([_driver_only_object()],))
         result["undecodable"] = None
@@ -435,23 +421,31 @@ def _end_hung(result: dict) -> None:
     os._exit(0)
 
 
-def inprocess_rank_killed(model: str, fault_dir: str, backend: str = "keepalive") -> dict:
+def inprocess_rank_killed(model: str, fault_dir: str, backend: str = "keepalive",
+                          timeout_s: int | None = None) -> dict:
     """In the user's own process: rank 1 is SIGKILLed inside a step (rank 0 does it, see
     fault_injection ``kill_pid``). The call must fail within a bound and this process must
-    live on (the executor does not own it)."""
+    live on (the executor does not own it). ``timeout_s``: the collective timeout (the
+    environment may also make rank 1 slow to start, see fault_injection); the start-up's
+    duration and the first answer's length are reported."""
     import psutil
 
     set_binding(2)
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(model, 2, backend, worker_cls="fault_injection.FaultyCPUWorker"))
+    extra = {} if timeout_s is None else {"distributed_timeout_seconds": timeout_s}
+    t0 = time.monotonic()
+    llm = LLM(**engine_kwargs(model, 2, backend, worker_cls="fault_injection.FaultyCPUWorker",
+                              **extra))
+    started_s = time.monotonic() - t0
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    first = llm.generate(PROMPTS[:1], params, use_tqdm=False)
     title = "KeepaliveWorker_TP1" if backend == "keepalive" else "Worker_TP1"
     [victim] = [p for p in psutil.Process().children(recursive=True) if title in p.name()]
     with open(os.path.join(fault_dir, "kill_pid"), "w") as f:
         f.write(str(victim.pid))
-    result: dict[str, Any] = {"pid": os.getpid()}
+    result: dict[str, Any] = {"pid": os.getpid(), "started_s": started_s,
+                              "first_tokens": len(first[0].outputs[0].token_ids)}
     t0 = time.monotonic()
     try:
         llm.generate(PROMPTS, params, use_tqdm=False)

@@ -14,7 +14,7 @@ directory named by ``KEEPALIVE_FAULT_DIR``, so a test can arm them while the ser
 Each file is removed when it fires, so a fault fires once.
 
 Start-up delays of rank 1 (environment, inherited by its process), for
-:class:`SlowStartCPUWorker`:
+:class:`SlowStartCPUWorker` (and :class:`FaultyCPUWorker`, which is one):
 
 * ``KEEPALIVE_SLOW_CONSTRUCT_S``  sleep while the worker is being constructed, as a cold
   interpreter importing vLLM on a loaded machine does (before the worker says ALIVE)
@@ -49,8 +49,28 @@ def _take(name: str) -> str | None:
         return None
 
 
-class FaultyCPUWorker(CPUWorker):
-    """A CPUWorker whose steps fail or stall on demand."""
+class SlowStartCPUWorker(CPUWorker):
+    """A CPUWorker whose rank 1 is slow to start, in one of two places."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.rank == 1:
+            time.sleep(float(os.environ.get("KEEPALIVE_SLOW_CONSTRUCT_S", "0")))
+
+    def init_device(self) -> None:
+        if self.rank == 1:
+            time.sleep(float(os.environ.get("KEEPALIVE_SLOW_RENDEZVOUS_S", "0")))
+            code = os.environ.get("KEEPALIVE_DIE_BEFORE_RENDEZVOUS")
+            if code is not None:
+                with open(os.environ["KEEPALIVE_DEATH_STAMP"], "w") as f:
+                    f.write(repr(time.time()))
+                os._exit(int(code))
+        super().init_device()
+
+
+class FaultyCPUWorker(SlowStartCPUWorker):
+    """A CPUWorker whose steps fail or stall on demand (and which starts slowly when the
+    environment asks, as SlowStartCPUWorker does)."""
 
     def execute_model(self, scheduler_output: Any) -> Any:
         if self.rank == 1 and _take("raise_rank1") is not None:
@@ -72,22 +92,3 @@ class StallingScheduler(Scheduler):
         if seconds is not None:
             time.sleep(float(seconds))
         return super().schedule(*args, **kwargs)
-
-
-class SlowStartCPUWorker(CPUWorker):
-    """A CPUWorker whose rank 1 is slow to start, in one of two places."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.rank == 1:
-            time.sleep(float(os.environ.get("KEEPALIVE_SLOW_CONSTRUCT_S", "0")))
-
-    def init_device(self) -> None:
-        if self.rank == 1:
-            time.sleep(float(os.environ.get("KEEPALIVE_SLOW_RENDEZVOUS_S", "0")))
-            code = os.environ.get("KEEPALIVE_DIE_BEFORE_RENDEZVOUS")
-            if code is not None:
-                with open(os.environ["KEEPALIVE_DEATH_STAMP"], "w") as f:
-                    f.write(repr(time.time()))
-                os._exit(int(code))
-        super().init_device()

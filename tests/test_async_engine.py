@@ -4,6 +4,8 @@ collective timeout, more requests, clean shutdown with no child process left."""
 import pytest
 from run_engine import run_script
 
+pytestmark = pytest.mark.serial  # alone on the machine: see pyproject.toml
+
 TIMEOUT_S = 5
 IDLE_S = 12.0  # well past the 5 s timeout: only the keepalive keeps the worker's wait alive
 

@@ -52,7 +52,7 @@ BASE_ARGS = ["-tp", "2", "--distributed-executor-backend", "keepalive",
              "--distributed-timeout-seconds", "5", "--enforce-eager"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per pytest-xdist worker (tests/test_parity.py)
 def frontend_errors(tiny_model):
     cases = [{"id": i, "env": e, "args": ["--model", tiny_model, *BASE_ARGS, *a]}
              for i, e, a, _ in CASES]
@@ -63,6 +63,7 @@ def frontend_errors(tiny_model):
     return json.loads(lines[-1][len("RESULT "):])
 
 
+@pytest.mark.xdist_group("bad-config-frontend")  # one front-end run for all cases
 @pytest.mark.parametrize("case_id, needles", [(c[0], c[3]) for c in CASES],
                          ids=[c[0] for c in CASES])
 def test_bad_setting_fails_in_the_front_end_naming_it(frontend_errors, case_id, needles):

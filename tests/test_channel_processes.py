@@ -2,16 +2,35 @@
 
 import pytest
 
+pytestmark = pytest.mark.serial  # alone on the machine: see pyproject.toml
+
 TIMEOUT_S = 2.0
 IDLE_S = 10.0  # five times the collective timeout
 
 
-@pytest.mark.parametrize("wait", ["block", "poll"])
-def test_receivers_survive_idle_of_5x_timeout_with_pacer(ranks, wait):
+WAITS = ["block", "poll"]
+
+
+@pytest.fixture(scope="module")
+def idle_runs(ranks) -> dict:
+    """The four idle runs at once, each on its own 3-rank group: with the pacer and without
+    (the negative control), for both waits. They sleep most of the time; the pacer's
+    interval leaves 1.5 s of margin for a late wake-up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    configs = {(wait, pacer): dict(interval_s=TIMEOUT_S / 4 if pacer else None, wait=wait)
+               for wait in WAITS for pacer in (True, False)}
+    with ThreadPoolExecutor(len(configs)) as pool:
+        futures = {c: pool.submit(ranks, "idle_survival", 3, timeout_s=TIMEOUT_S, wall_s=90,
+                                  idle_s=IDLE_S, **kw) for c, kw in configs.items()}
+        return {c: f.result() for c, f in futures.items()}
+
+
+@pytest.mark.parametrize("wait", WAITS)
+def test_receivers_survive_idle_of_5x_timeout_with_pacer(idle_runs, wait):
     """``poll`` is the sleeping wait receivers use on a GPU; it is transport-agnostic, so
     gloo tests it here."""
-    res = ranks("idle_survival", 3, timeout_s=TIMEOUT_S, wall_s=90, idle_s=IDLE_S,
-                interval_s=TIMEOUT_S / 4, wait=wait)
+    res = idle_runs[wait, True]
     assert set(res) == {0, 1, 2}
     assert "error" not in res[0], res[0]
     for r in (1, 2):
@@ -21,10 +40,9 @@ def test_receivers_survive_idle_of_5x_timeout_with_pacer(ranks, wait):
         assert res[r]["keepalives"] == res[0]["keepalives_sent"] >= IDLE_S / TIMEOUT_S
 
 
-@pytest.mark.parametrize("wait", ["block", "poll"])
-def test_negative_control_without_pacer_receivers_time_out(ranks, wait):
-    res = ranks("idle_survival", 3, timeout_s=TIMEOUT_S, wall_s=90, idle_s=IDLE_S,
-                interval_s=None, wait=wait)
+@pytest.mark.parametrize("wait", WAITS)
+def test_negative_control_without_pacer_receivers_time_out(idle_runs, wait):
+    res = idle_runs[wait, False]
     for r in (1, 2):
         assert res[r]["log"] == [(1, "before")]
         assert res[r]["error_type"] == "ChannelTransportError"

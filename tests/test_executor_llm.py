@@ -1,20 +1,23 @@
-"""KeepaliveExecutor under vLLM's offline LLM: same greedy tokens as mp and TP=1,
-collective_rpc with callables, an error on rank 1 only, and a per-rank RPC end to end."""
+"""KeepaliveExecutor under vLLM's offline LLM: same greedy tokens as mp and TP=1 (their
+outputs: cached references, see tests/run_engine.py), collective_rpc with callables, an error on
+rank 1 only, and a per-rank RPC end to end."""
 
 import pytest
 from run_engine import run_script
 
+# one engine run for the module (scripts/test.sh: pytest-xdist, --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("executor-llm")
 
-@pytest.fixture(scope="module")
+
+@pytest.fixture(scope="session")  # once per pytest-xdist worker (tests/test_parity.py)
 def keepalive_run(tiny_model, tmp_path_factory):
     shards = tmp_path_factory.mktemp("shards")
     return run_script("llm_generate", model=tiny_model, tp=2, backend="keepalive",
                       extras=True, shard_dir=str(shards))
 
 
-def test_greedy_outputs_equal_mp_and_tp1(tiny_model, keepalive_run):
-    mp = run_script("llm_generate", model=tiny_model, tp=2, backend="mp")
-    tp1 = run_script("llm_generate", model=tiny_model, tp=1, backend=None)
+def test_greedy_outputs_equal_mp_and_tp1(keepalive_run, reference):
+    mp, tp1 = reference("llm_generate_mp"), reference("llm_generate_tp1")
     # Same TP layout, same arithmetic: every token identical to mp.
     assert keepalive_run["tokens"] == mp["tokens"]
     assert all(len(t) == 24 for t in keepalive_run["tokens"])

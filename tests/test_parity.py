@@ -14,41 +14,26 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-from parity_scripts import CHOICES, JSON_SCHEMA, REFERENCES, REGEX
-from run_engine import (
-    REFERENCE_DIR,
-    Reference,
-    parity_call,
-    reference_call,
-    reference_key,
-    run_scripts,
-    with_references,
-)
+from parity_scripts import CHOICES, JSON_SCHEMA, REGEX
+from reference_calls import REFERENCES
+from run_engine import Reference, parity_call, reference_call, run_scripts, say, with_references
 
 slow = pytest.mark.slow
+# scripts/test.sh runs these two at a time (pytest-xdist, --dist loadgroup): the tests that
+# share an engine run are one group, so they run on one worker, and the run's fixture is
+# session-scoped, so it is not torn down when that worker runs another module's test between
+# two of them (a module-scoped one would be, and the engine would run again)
 
 NO_MERGE = "keepalive-rank0-only"  # the negative control of the KV connector tests
 
-#: the references each group of parity tests compares with (every one of REFERENCES)
+#: the references each group of parity tests compares with (the others: tests/test_references.py)
 COMPARED = {"offline": ["offline_features"], "spec": ["spec_decode"], "kv": ["kv_connector"],
             "lora": ["lora_serve"], "pooling": ["pooling_serve"],
             "pipeline_tp1_pp2": ["pipeline_tp1_pp2_mp", "pipeline_tp1"],
             "pipeline_tp2_pp2": ["pipeline_tp2_pp2_mp"]}
-
-
-class ReferenceNote(UserWarning):
-    """Where a comparison's reference came from (cached, or live and why)."""
-
-
-def say(message: str) -> None:
-    """Print MESSAGE and show it in pytest's warnings summary (visible without -s)."""
-    print(message)
-    warnings.warn(message, ReferenceNote, stacklevel=2)
 
 
 def references(tmp_path_factory: pytest.TempPathFactory, model: str,
@@ -85,7 +70,7 @@ def both(tmp_path_factory: pytest.TempPathFactory, model: str, group: str,
 # ---------------------------------------------------------------- offline, one engine each
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per pytest-xdist worker: see above
 def offline(tiny_model, tmp_path_factory):
     return both(tmp_path_factory, tiny_model, "offline")
 
@@ -98,12 +83,14 @@ OFFLINE = ["greedy", "logprobs", "prompt_logprobs", "seeded_n3", "max_tokens_1",
            "after_sleep_wake"]
 
 
+@pytest.mark.xdist_group("parity-offline")
 @slow
 @pytest.mark.parametrize("feature", OFFLINE)
 def test_offline_feature_gives_the_same_outputs_as_mp(offline, feature):
     assert offline["keepalive"][feature] == offline["mp"][feature]
 
 
+@pytest.mark.xdist_group("parity-offline")
 @slow
 def test_offline_features_took_effect(offline):
     """The equalities above are not vacuous: each feature did what it is for."""
@@ -130,7 +117,7 @@ def test_offline_features_took_effect(offline):
     assert [name for name, _ in r["apply_model"]] == ["LlamaForCausalLM"] * 2
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per pytest-xdist worker: see above
 def spec(tiny_model, tmp_path_factory):
     return both(tmp_path_factory, tiny_model, "spec")
 
@@ -148,13 +135,14 @@ def test_ngram_speculative_decoding_gives_the_same_outputs_as_mp(spec):
 # ---------------------------------------------------------------- KV connector
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per pytest-xdist worker: see above
 def kv(tiny_model, tmp_path_factory):
     """keepalive, mp, and (negative control) keepalive passing on rank 0's connector output
     alone, as the executor did before: all three side by side."""
     return both(tmp_path_factory, tiny_model, "kv", negative_control=True)
 
 
+@pytest.mark.xdist_group("parity-kv")
 @slow
 def test_kv_connector_outputs_are_merged_from_every_rank_as_mp_does(kv):
     ka, mp = kv["keepalive"], kv["mp"]
@@ -172,6 +160,7 @@ def test_kv_connector_outputs_are_merged_from_every_rank_as_mp_does(kv):
     assert any(".tp1." in f or f.startswith("tp1") for f in ka["files"]), ka["files"]
 
 
+@pytest.mark.xdist_group("parity-kv")
 @slow
 def test_negative_control_rank0_connector_output_alone_goes_wrong(kv):  # noqa: D401
     """What the executor did before: rank 0's output alone. Rank 1's load failure is lost: it
@@ -213,7 +202,7 @@ def test_pooling_model_embeddings_through_vllm_serve(tiny_model, tmp_path_factor
 # ---------------------------------------------------------------- pipeline parallelism
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per pytest-xdist worker: see above
 def pipeline_tp1_pp2(tiny_model, tmp_path_factory):
     """-tp 1 -pp 2 under keepalive (eager, and compilation mode 2) and mp (mode 2: mp cannot
     run PP in eager mode on vLLM 0.32's CPU backend), and the TP=1 reference."""
@@ -225,6 +214,7 @@ def pipeline_tp1_pp2(tiny_model, tmp_path_factory):
     return {"keepalive": ka, "mp": mp, "keepalive-eager": ka_eager, "tp1": tp1}
 
 
+@pytest.mark.xdist_group("parity-pipeline")
 @slow
 def test_pipeline_tp1_pp2_gives_mps_and_tp1s_answers_with_batches_overlapping(
         pipeline_tp1_pp2):
@@ -236,6 +226,7 @@ def test_pipeline_tp1_pp2_gives_mps_and_tp1s_answers_with_batches_overlapping(
     assert r["keepalive"]["max_steps_in_flight"] >= 2
 
 
+@pytest.mark.xdist_group("parity-pipeline")
 @slow
 def test_pipeline_structured_outputs_the_non_fused_path_equal_mps(pipeline_tp1_pp2):
     r = pipeline_tp1_pp2
@@ -245,6 +236,7 @@ def test_pipeline_structured_outputs_the_non_fused_path_equal_mps(pipeline_tp1_p
     assert set(json.loads(js)) == {"a", "b"} and re.fullmatch(REGEX, rx) and ch in CHOICES
 
 
+@pytest.mark.xdist_group("parity-pipeline")
 @slow
 def test_pipeline_tp2_pp2_four_ranks_gives_mps_and_tp1s_answers(tiny_model, tmp_path_factory,
                                                                 pipeline_tp1_pp2):
@@ -257,95 +249,3 @@ def test_pipeline_tp2_pp2_four_ranks_gives_mps_and_tp1s_answers(tiny_model, tmp_
     assert ka["greedy"] == mp["greedy"] == pipeline_tp1_pp2["tp1"]["greedy"]
     assert ka["structured_mixed"] == mp["structured_mixed"]
     assert ka["max_steps_in_flight"] >= 2
-
-
-# ---------------------------------------------------------------- the cache itself (fast)
-
-
-def _fake_model(tmp_path: Path) -> str:
-    """A model directory as far as the key is concerned: the build parameters that
-    tiny_model.build_tiny_model writes (the weights are not read)."""
-    model = tmp_path / "tiny-llama"
-    model.mkdir()
-    (model / "keepalive_tiny_model.json").write_text(json.dumps({"seed": 0}))
-    return str(model)
-
-
-def test_a_reference_whose_key_does_not_match_is_run_live_and_rewritten(tmp_path):
-    """For each part of the key tampered with in turn: the lookup says which part, the
-    reference call is run (not the cache), and its file is rewritten with the current key;
-    with the key intact, only the keepalive call runs and the cached result is returned."""
-    model, directory = _fake_model(tmp_path), tmp_path / "references"
-    name = "spec_decode"
-    call = reference_call(REFERENCES[name], model, tmp_path / "work")
-    live = {"name": "spec_decode", "backend": "keepalive"}
-    ran: list[list[dict]] = []
-
-    def run(*calls: dict) -> list[dict]:  # stands in for run_scripts: which calls ran
-        ran.append(list(calls))
-        return [{"ran": c["backend"], "n": len(ran)} for c in calls]
-
-    notes: list[str] = []
-    absent = Reference.look_up(name, call, model, directory)
-    assert absent.cached is None and absent.mismatch == ["no cached file"]
-    absent.store({"greedy": [[1, 2]]})
-    key = json.loads((directory / f"{name}.json").read_text())["key"]
-    assert key == reference_key(call, model)
-    for part in key:
-        stored = json.loads(absent.path.read_text())
-        stored["key"][part] += " (tampered)"
-        absent.path.write_text(json.dumps(stored))
-        ref = Reference.look_up(name, call, model, directory)
-        assert ref.cached is None and ref.mismatch == [part]
-        got, [result] = with_references([live], [ref], run=run, say=notes.append)
-        assert ran[-1] == [live, call]  # the reference ran live, beside keepalive
-        assert got == [{"ran": "keepalive", "n": len(ran)}]
-        assert result == {"ran": "mp", "n": len(ran)}
-        assert notes[-1] == f"reference {name}: live (key mismatch: {part})"
-        rewritten = json.loads(absent.path.read_text())
-        assert rewritten["key"] == key and rewritten["result"] == result
-    # the key matches again: only keepalive runs, the reference comes from the file
-    ref = Reference.look_up(name, call, model, directory)
-    assert ref.cached == result
-    got, [cached] = with_references([live], [ref], run=run, say=notes.append)
-    assert ran[-1] == [live] and cached == result
-    assert re.fullmatch(rf"reference {name}: cached \(key [0-9a-f]{{12}}\)", notes[-1])
-
-
-def test_the_key_covers_what_the_reference_depends_on(tmp_path, monkeypatch):
-    """The key changes with the model's build parameters, the scripts' sources (also a
-    module parity_scripts imports) and the scenario's arguments."""
-    import run_engine
-
-    model = _fake_model(tmp_path)
-    call = reference_call(REFERENCES["offline_features"], model, tmp_path / "work")
-    key = reference_key(call, model)
-    assert key == reference_key({**call, "model": "/elsewhere", "workdir": "/x"}, model)
-    Path(model, "keepalive_tiny_model.json").write_text(json.dumps({"seed": 1}))
-    assert reference_key(call, model).keys() == key.keys()
-    assert reference_key(call, model)["model_builder"] != key["model_builder"]
-    Path(model, "keepalive_tiny_model.json").write_text(json.dumps({"seed": 0}))
-    assert reference_key({**call, "tp": 1}, model)["scenario"] != key["scenario"]
-    assert {"parity_scripts.py", "rpc_targets.py", "servers.py", "procs.py",
-            "kv_connectors.py", "run_engine.py"} <= set(run_engine.tests_imported_by(
-                "parity_scripts.py", "run_engine.py", "kv_connectors.py"))
-    real_read = Path.read_bytes
-    monkeypatch.setattr(Path, "read_bytes", lambda p: real_read(p) + (
-        b"#" if p.name == "rpc_targets.py" else b""))
-    assert reference_key(call, model)["scripts"] != key["scripts"]
-    monkeypatch.setattr(run_engine, "cpu_isa", lambda: "torch:DEFAULT flags:sse")
-    assert reference_key(call, model)["cpu_isa"] != key["cpu_isa"]
-
-
-def test_the_cache_covers_every_scenario_the_parity_tests_compare(tmp_path):
-    """Every reference the parity tests compare with has its file, for the call those
-    tests make now, with every part of the key; and no file is left over."""
-    assert sorted(n for names in COMPARED.values() for n in names) == sorted(REFERENCES)
-    assert sorted(p.stem for p in REFERENCE_DIR.glob("*.json")) == sorted(REFERENCES)
-    model = _fake_model(tmp_path)
-    for name, spec in REFERENCES.items():
-        stored = json.loads((REFERENCE_DIR / f"{name}.json").read_text())
-        key = reference_key(reference_call(spec, model, tmp_path / name), model)
-        assert stored["key"].keys() == key.keys(), name
-        assert stored["key"]["scenario"] == key["scenario"], name
-        assert isinstance(stored["result"], dict) and stored["result"], name

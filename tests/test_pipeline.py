@@ -15,27 +15,23 @@ import time
 import pytest
 from procs import left_after
 from run_engine import PYTHONPATH, run_script
+from serve_scripts import ask, texts
 from servers import Server, by_title
 from test_faults import KILL_REACTION_BOUND_S, _stream_all
-from test_serve import ask, texts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 TIMEOUT = "5"
 IDLE_S = 16.0  # more than three times the timeout
-# vLLM 0.32's mp cannot run PP in eager mode on CPU; mode 2 with the eager backend it can
-MP_PP_ARGS = ["--no-enforce-eager", "--compilation-config", '{"mode": 2, "backend": "eager"}']
 
 
-def _start(tiny_model, tmp_path, backend, extra_args, extra_env=None, name=None) -> Server:
-    # mp gets vLLM's default collective timeout: its workers' rendezvous waits at most that
-    # long, and a cold start beside another server takes more than 5 s here
-    timeout = ["--distributed-timeout-seconds", TIMEOUT] if backend == "keepalive" else []
-    name = name or backend
+def _start(tiny_model, tmp_path, name, extra_args, extra_env=None) -> Server:
+    """A keepalive `vllm serve -tp 1 -pp 2` with the fault-injecting worker."""
     faults = tmp_path / f"faults-{name}"
     faults.mkdir(exist_ok=True)
-    server = Server(tiny_model, tmp_path / f"pp-{name}.log", tp=1, pp=2, backend=backend,
+    server = Server(tiny_model, tmp_path / f"pp-{name}.log", tp=1, pp=2,
                     extra_args=["--dtype", "float32", "--worker-cls",
-                                "fault_injection.FaultyCPUWorker", *timeout, *extra_args],
+                                "fault_injection.FaultyCPUWorker",
+                                "--distributed-timeout-seconds", TIMEOUT, *extra_args],
                     extra_env={"KEEPALIVE_FAULT_DIR": str(faults), "PYTHONPATH": PYTHONPATH,
                                **(extra_env or {})})
     server.fault_dir = faults
@@ -43,27 +39,22 @@ def _start(tiny_model, tmp_path, backend, extra_args, extra_env=None, name=None)
 
 
 def test_pp_serve_answers_like_mp_survives_idle_and_fails_fast_when_the_last_stage_dies(
-        tiny_model, tmp_path):
-    """Also the negative control: a second keepalive server with the pacer disabled by the
-    test-only switch idles side by side with the first, and its pipeline dies."""
-    servers = {"keepalive": _start(tiny_model, tmp_path, "keepalive", []),
-               "mp": _start(tiny_model, tmp_path, "mp", MP_PP_ARGS)}
-    threads = [threading.Thread(target=s.wait_ready) for s in servers.values()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    ka = servers["keepalive"]
+        tiny_model, tmp_path, reference):
+    """mp's answers (serve_scripts.serve_answers at -tp 1 -pp 2, cached or live). Also the
+    negative control: a second keepalive server with the pacer disabled by the test-only
+    switch idles side by side with the first, and its pipeline dies."""
+    ka = _start(tiny_model, tmp_path, "keepalive", [])
+    servers = {"keepalive": ka}
     results: dict = {}
     try:
-        answers = {b: ask(s.client()) for b, s in servers.items()}
-        servers["mp"].stop()
-        assert texts(answers["keepalive"]) == texts(answers["mp"])
+        ka.wait_ready()
+        answers = {"keepalive": ask(ka.client())}
+        assert texts(answers["keepalive"]) == reference("serve_tp1_pp2")
         assert answers["keepalive"]["stream_chunks"] > 1
         tree = ka.tree()
         assert by_title(ka, "KeepaliveWorker_PP1_TP0"), [p.name() for p in tree]
         control = servers["control"] = _start(
-            tiny_model, tmp_path, "keepalive", [], name="control",
+            tiny_model, tmp_path, "control", [],
             extra_env={"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"})
         try:
             control.wait_ready()
@@ -160,7 +151,7 @@ def test_pp_serve_sigterm_with_8_streams_generating_exits_cleanly_within_the_bou
     """The user-visible bound. vLLM 0.32's drain mode finishes the requests and its batch
     queue before it shuts the executor down, so here nothing is in flight by then (the old
     order met this too, 4.63 s, codes {1: 0}); the in-flight case is the test below."""
-    server = _start(tiny_model, tmp_path, "keepalive", DRAIN_ARGS, name="sigterm")
+    server = _start(tiny_model, tmp_path, "sigterm", DRAIN_ARGS)
     tree: list = []
     try:
         server.wait_ready()

@@ -5,19 +5,9 @@ import os
 import pytest
 from run_engine import HERE, run_script
 
+pytestmark = pytest.mark.serial  # alone on the machine: see pyproject.toml
+
 PYTHONPATH = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
-
-
-def test_oversize_and_unpicklable_arguments_fail_cleanly_and_channel_stays_in_sync(tiny_model):
-    res = run_script("runtime_bad_input", model=tiny_model, extra_env={
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_KEEPALIVE_MAX_PAYLOAD_BYTES": str(1 << 20)})
-    assert res["oversize"].startswith("PayloadTooLargeError")
-    assert "exceeds the channel limit of 1048576 bytes; nothing was sent" in res["oversize"]
-    assert res["unpicklable"].startswith("RpcSerializationError")
-    assert "cannot serialize" in res["unpicklable"]
-    assert res["small"] == [1000, 1000]
-    assert res["same_after"]
 
 
 @pytest.mark.slow
@@ -34,20 +24,10 @@ def test_stall_inside_a_step_short_survives_long_fails_clearly(tiny_model):
     assert 6.0 <= res["long_elapsed_s"] < 8.5, res
 
 
-def test_worker_slower_to_start_than_the_collective_timeout_still_starts(tiny_model):
-    """Rank 1 takes 6 s to come up, the collective timeout is 3 s: the driver joins the
-    rendezvous only once rank 1 said ALIVE, so the 3 s never run out before it arrives."""
-    res = run_script("slow_start", model=tiny_model, timeout_s=3, extra_env={
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
-        "KEEPALIVE_SLOW_CONSTRUCT_S": "6"})
-    assert res["started"], res
-    assert res["tokens"] == 4
-    assert res["elapsed_s"] > 6
-
-
 def test_negative_control_the_same_delay_inside_the_rendezvous_fails(tiny_model):
-    """The same 6 s, spent after ALIVE (inside what the rendezvous waits for): the 3 s
-    collective timeout runs out, so the protection above is what makes the difference."""
+    """The same 6 s as rank 1's slow start in the rank-killed test below, spent after ALIVE
+    (inside what the rendezvous waits for): the 3 s collective timeout runs out, so waiting
+    for ALIVE before the rendezvous is what makes the difference."""
     res = run_script("slow_start", model=tiny_model, timeout_s=3, extra_env={
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
         "KEEPALIVE_SLOW_RENDEZVOUS_S": "6"})
@@ -56,13 +36,21 @@ def test_negative_control_the_same_delay_inside_the_rendezvous_fails(tiny_model)
 
 
 @pytest.mark.slow
-def test_in_process_holes_undecodable_call_concurrent_rpc_and_a_rank0_step_error(
+def test_in_process_holes_bad_input_undecodable_call_concurrent_rpc_and_a_rank0_step_error(
         tiny_model, tmp_path):
     fault_dir = tmp_path / "faults"
     fault_dir.mkdir()
     res = run_script("inprocess_holes", model=tiny_model, fault_dir=str(fault_dir), extra_env={
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
-        "KEEPALIVE_FAULT_DIR": str(fault_dir)})
+        "KEEPALIVE_FAULT_DIR": str(fault_dir), "VLLM_KEEPALIVE_MAX_PAYLOAD_BYTES": str(1 << 20)})
+    # 0. an over-size or unpicklable argument is refused before anything is sent: the
+    #    channel stays in sync, a small argument still arrives, the answers stay the same
+    assert res["oversize"].startswith("PayloadTooLargeError")
+    assert "exceeds the channel limit of 1048576 bytes; nothing was sent" in res["oversize"]
+    assert res["unpicklable"].startswith("RpcSerializationError")
+    assert "cannot serialize" in res["unpicklable"]
+    assert res["small"] == [1000, 1000]
+    assert res["same_after_bad_input"]
     # 1. rank 1 could not decode the argument: it answered with an error naming itself,
     #    the ranks stayed in step, the engine stayed usable with the same answers
     assert res["undecodable"].startswith("WorkerRpcError"), res["undecodable"]
@@ -87,16 +75,22 @@ def test_in_process_holes_undecodable_call_concurrent_rpc_and_a_rank0_step_error
 
 
 @pytest.mark.slow
-def test_in_process_rank_killed_mid_step_fails_the_call_and_the_process_lives(tiny_model,
-                                                                              tmp_path):
-    """The engine runs in the user's process: the executor must not end it. Rank 1 dies
-    inside a step, so rank 0's collective can never finish; after the grace the pending call
-    fails instead, and every later call fails at once."""
+def test_a_slow_starting_worker_starts_then_killed_mid_step_fails_the_call_and_the_process_lives(
+        tiny_model, tmp_path):
+    """Rank 1 takes 6 s to come up, the collective timeout is 3 s: the driver joins the
+    rendezvous only once rank 1 said ALIVE, so the 3 s never run out before it arrives (the
+    control: the same delay inside the rendezvous fails, above). Then, with the engine in the
+    user's process, which the executor must not end: rank 1 dies inside a step, so rank 0's
+    collective can never finish; after the grace the pending call fails instead, and every
+    later call fails at once."""
     fault_dir = tmp_path / "faults"
     fault_dir.mkdir()
     res = run_script("inprocess_rank_killed", model=tiny_model, fault_dir=str(fault_dir),
+                     timeout_s=3,
                      extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
-                                "KEEPALIVE_FAULT_DIR": str(fault_dir)})
+                                "KEEPALIVE_FAULT_DIR": str(fault_dir),
+                                "KEEPALIVE_SLOW_CONSTRUCT_S": "6"})
+    assert res["started_s"] > 6 and res["first_tokens"] == 32, res
     # (the RESULT itself, with later_error measured after the failure, shows the process
     # lived on: run_script fails if the script dies before printing it)
     assert res["victim_killed"]

@@ -1,84 +1,176 @@
-"""`vllm serve ... --distributed-executor-backend keepalive` as a real server, real client."""
+"""`vllm serve ... --distributed-executor-backend keepalive` as a real server, real clients. One
+server serves every scenario of this module, in file order, the one that ends it last: mp's
+answers, an idle period and an engine loop stalled outside any step (both several collective
+timeouts long), a load with disconnects, then a worker killed while idle. The negative control
+(no pacer) dies of the idle. A clean shutdown by signal: tests/test_faults.py."""
 
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import threading
 import time
+import urllib.request
+from collections.abc import Iterator
 
+import psutil
 import pytest
-from procs import alive
-from servers import Server
+from procs import left_after
+from run_engine import HERE
+from serve_scripts import LOAD_ARGS, ask, run_wave, texts, workload
+from servers import Server, by_title
+from test_faults import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 TIMEOUT = "5"  # --distributed-timeout-seconds: the device group's timeout (default transport)
 IDLE_S = 20.0  # four times the timeout
+STALL_S = "12.5"  # two and a half times the timeout, in the engine loop, outside any step
+# Worker SIGKILL while idle -> /health fails. Observed 0.16 s (the sentinel monitor fires at
+# once); the bound leaves room for a loaded machine and fails on anything like a grace period
+# or a health-check poll.
+IDLE_DETECT_BOUND_S = 2.0
+DETECT_BOUND_S = 15.0  # then vLLM's own shutdown after unhealthy
 
 
-def texts(answers: dict) -> dict:
-    """The answers without the chunk count: how many SSE chunks a stream of the same tokens
-    arrives in depends on timing (the front end coalesces tokens that are ready together),
-    so only the texts are compared between runs."""
-    return {k: v for k, v in answers.items() if k != "stream_chunks"}
+def _server(tiny_model: str, tmp_path, name: str, extra_env: dict | None = None) -> Server:
+    faults = tmp_path / f"faults-{name}"
+    faults.mkdir()
+    server = Server(tiny_model, tmp_path / f"{name}.log", extra_args=[
+        "--distributed-timeout-seconds", TIMEOUT,
+        "--scheduler-cls", "fault_injection.StallingScheduler", *LOAD_ARGS], extra_env={
+        "KEEPALIVE_FAULT_DIR": str(faults),
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        **(extra_env or {})})
+    server.fault_dir = faults
+    return server
 
 
-def ask(client):
-    comp = client.completions.create(model="tiny", prompt="Hello, my name is", max_tokens=12,
-                                     temperature=0)
-    chat = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "The capital of France is"}],
-        max_tokens=12, temperature=0)
-    stream = client.completions.create(model="tiny", prompt="One, two, three,", max_tokens=12,
-                                       temperature=0, stream=True)
-    pieces = [c.choices[0].text for c in stream]
-    return {
-        "completion": comp.choices[0].text,
-        "chat": chat.choices[0].message.content,
-        "stream": "".join(pieces),
-        "stream_chunks": len(pieces),
-    }
-
-
-@pytest.mark.slow
-def test_serve_answers_survives_idle_and_shuts_down_clean_negative_control_dies(tiny_model,
-                                                                                 tmp_path):
-    """Two servers side by side, idle for the same four collective timeouts: keepalive's answers
-    stay the same and it shuts down clean; the negative control (pacer disabled by the
-    test-only switch, everything else equal) must fail."""
-    args = ["--distributed-timeout-seconds", TIMEOUT]
-    # One after the other: a cold start beside another can starve a rank past the 5 s
-    # timeout inside vLLM's own start-up collectives (docs/usage.md), which is not the subject.
-    server = Server(tiny_model, tmp_path / "serve.log", extra_args=args)
-    control = None
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
+    """The keepalive server, and the negative control beside it: the same with the pacer
+    disabled by the test-only switch. One after the other: a cold start beside another can
+    starve a rank past the 5 s timeout inside vLLM's own start-up collectives (docs/usage.md),
+    which is not the subject."""
+    tmp_path = tmp_path_factory.mktemp("serve")
+    started: dict[str, Server] = {}
+    trees: list[psutil.Process] = []
     try:
-        server.wait_ready()
-        control = Server(tiny_model, tmp_path / "serve-nopacer.log", extra_args=args,
-                         extra_env={"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"})
-        control.wait_ready()
-        client = server.client()
-        before = ask(client)
-        assert before["stream_chunks"] > 1 and before["completion"] and before["chat"]
-        tree, control_tree = server.tree(), control.tree()
-        try:
-            # Without the pacer the worker's wait has been running since start-up, so on a
-            # slow machine even this first request may already find it dead: also a failure
-            # of the same scenario.
-            ask(control.client())
-        except Exception:  # noqa: BLE001
-            pass
-        time.sleep(IDLE_S)
-        assert server.health() == 200
-        after = ask(client)
-        assert texts(after) == texts(before)
-        assert "keepalive executor: transport=device, interval=1.25s" in server.log()
-        failed = None
-        try:
-            ask(control.client())
-        except Exception as e:  # noqa: BLE001 - the expected outcome, checked below
-            failed = e
-        # the control failed for the reason under test: rank 1's idle wait timed out (gloo's
-        # own message), rank 1 exited, and the request got an error
-        assert failed is not None, "the control answered after the idle without the pacer"
-        log = control.log()
-        assert "Timed out" in log and "worker rank 1" in log, log[-3000:]
+        started["keepalive"] = _server(tiny_model, tmp_path, "serve")
+        started["keepalive"].wait_ready()
+        started["control"] = _server(tiny_model, tmp_path, "serve-nopacer",
+                                     {"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"})
+        started["control"].wait_ready()
+        trees = [p for s in started.values() for p in s.tree()]
+        yield started
     finally:
-        code = server.stop()
-        if control is not None:
-            control.stop()
-    assert code == 0, server.log()[-3000:]
-    assert alive(tree) == [] and alive(control_tree) == []
+        for server in started.values():
+            server.stop()
+    assert left_after(trees, 10) == []
+
+
+def test_answers_like_mp_survive_idle_and_a_stalled_loop_negative_control_dies(servers,
+                                                                              reference):
+    """Both servers idle for the same four collective timeouts: keepalive's answers are mp's
+    before and after, and it survives its engine loop stalling for two and a half timeouts
+    outside any step (a slow scheduler); the negative control must fail. Both an idle engine
+    and a stalled one leave the workers without any broadcast but the pacer's, so one
+    control shows what the pacer does for both."""
+    server, control = servers["keepalive"], servers["control"]
+    client = server.client()
+    before = ask(client)
+    assert texts(before) == reference("serve_tp2")  # mp's answers to the same questions
+    assert before["stream_chunks"] > 1
+    try:
+        # Without the pacer the worker's wait has been running since start-up, so on a slow
+        # machine even this first request may already find it dead: also a failure of the
+        # same scenario.
+        ask(control.client())
+    except Exception:  # noqa: BLE001
+        pass
+    time.sleep(IDLE_S)
+    assert server.health() == 200
+    assert texts(ask(client)) == texts(before)
+    assert "keepalive executor: transport=device, interval=1.25s" in server.log()
+    # the engine loop stalls in its next schedule(), outside any step; the request that woke
+    # it is answered after the stall, the same answer
+    (server.fault_dir / "stall_schedule").write_text(STALL_S)
+    answers: dict = {}
+    asking = threading.Thread(target=lambda: answers.update(after=ask(client)))
+    t0 = time.monotonic()
+    asking.start()
+    asking.join(120)
+    assert not (server.fault_dir / "stall_schedule").exists(), "the stall never fired"
+    assert time.monotonic() - t0 >= float(STALL_S)
+    assert texts(answers["after"]) == texts(before)
+    assert server.health() == 200
+    failed = None
+    try:
+        ask(control.client())
+    except Exception as e:  # noqa: BLE001 - the expected outcome, checked below
+        failed = e
+    # the control failed for the reason under test: rank 1's idle wait timed out (gloo's own
+    # message), rank 1 exited, and the request got an error
+    assert failed is not None, "the control answered after the idle without the pacer"
+    log = control.log()
+    assert "Timed out" in log and "worker rank 1" in log, log[-3000:]
+
+
+def metric(base_url: str, name: str) -> float:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
+        body = r.read().decode()
+    values = [float(m.group(1)) for m in re.finditer(rf"^{name}\{{[^}}]*\}} (\S+)$", body, re.M)]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def test_load_with_disconnects_frees_everything_and_matches_mp(servers, reference):
+    """256 streaming requests at concurrency 32, prompts of 2 to 60 words, 4 to 64 output
+    tokens, every tenth client closing its stream after two chunks: the server stays
+    healthy, the aborted requests give back their slots and KV blocks, a second wave
+    completes, and every completed greedy answer is mp's to the same request
+    (serve_scripts.load_answers, float32 on both sides)."""
+    server = servers["keepalive"]
+    reqs = workload()
+    done = asyncio.run(run_wave(server.base_url, reqs))
+    assert server.health() == 200
+    assert metric(server.base_url, "vllm:num_requests_running") == 0
+    assert metric(server.base_url, "vllm:num_requests_waiting") == 0
+    assert metric(server.base_url, "vllm:kv_cache_usage_perc") == 0
+    second = asyncio.run(run_wave(server.base_url, [dict(r, abort=False) for r in reqs[:32]]))
+    assert len(second) == 32
+    expected = [r for r in reqs if not r["abort"]]
+    assert sorted(done) == [r["i"] for r in expected]
+    ref = {int(i): text for i, text in reference("load_tp2").items()}
+    assert sorted(ref) == sorted(done)
+    mismatches = [i for i in done if done[i] != ref[i]]
+    assert mismatches == [], f"{len(mismatches)} answers differ from mp: {mismatches[:10]}"
+
+
+def test_worker_killed_while_idle_fails_the_server_at_once(servers):
+    """Last: it ends the server. Before the kill, what the tree listens on."""
+    server = servers["keepalive"]
+    tree = server.tree()
+    [worker] = by_title(server, "KeepaliveWorker_TP1")
+    [engine] = by_title(server, "EngineCore")
+    # security: nothing of the tree listens beyond loopback, and the ranks rendezvous through
+    # the file store the docs promise, not a TCP store on loopback: gloo keeps one listening
+    # socket per process group on each rank, and both ranks are in the same groups, so rank
+    # 0's process (the engine core) listens on exactly as many sockets as rank 1's; a TCP
+    # store, hosted by rank 0, would be one more there
+    listening = {p.pid: [c.laddr for c in p.net_connections(kind="inet")
+                         if c.status == psutil.CONN_LISTEN] for p in tree}
+    for p in tree:
+        assert all(a.ip in ("127.0.0.1", "::1") for a in listening[p.pid]), \
+            (p.name(), listening[p.pid])
+    assert listening[worker.pid], "rank 1 listens on nothing: no gloo listener to compare"
+    assert len(listening[engine.pid]) == len(listening[worker.pid]), listening
+    worker.kill()
+    took = wait_until(lambda: server.proc.poll() is not None or server.health() != 200,
+                       IDLE_DETECT_BOUND_S)
+    assert took is not None, f"server still healthy {IDLE_DETECT_BOUND_S}s after a worker died"
+    # vLLM's API server then shuts itself down (with exit code 0, as it does for mp)
+    server.proc.wait(DETECT_BOUND_S)
+    assert "worker rank 1" in server.log() and "died unexpectedly" in server.log()
+    assert left_after(tree, 10) == []
