@@ -1,10 +1,28 @@
 #!/usr/bin/env bash
-# Run the checks: set-up (idempotent), ruff, then the whole test suite.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"` locally.
+# Run the checks: set-up (idempotent), ruff, then the whole test suite in two phases:
+#   1. every test not marked `serial`, two at a time (pytest-xdist): they compare outputs and
+#      start their ranks with long collective timeouts, so a busy machine only slows them;
+#   2. the `serial` tests (time bounds, short collective timeouts) one after the other, with
+#      nothing else running.
+# Extra arguments go to one plain pytest run instead, e.g. `bash scripts/test.sh -m "not slow"`
+# or `bash scripts/test.sh tests/test_pacer.py`.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/scripts/setup.sh"
 venv="${KEEPALIVE_VENV:-$repo/.venv}"
 cd "$repo"
 "$venv/bin/ruff" check keepalive_executor tests benchmarks
-exec "$venv/bin/python" -m pytest -ra -p no:cacheprovider --durations=0 tests "$@"
+pytest=("$venv/bin/python" -m pytest -ra -p no:cacheprovider --durations=0)
+if [ $# -gt 0 ]; then
+  if [ -e "${1%%::*}" ]; then exec "${pytest[@]}" "$@"; fi
+  exec "${pytest[@]}" tests "$@"
+fi
+start=$(date +%s)
+status=0
+"${pytest[@]}" -n 2 --dist loadgroup -m "not serial" tests || status=$?
+phase1=$(date +%s)
+"${pytest[@]}" -m serial tests || status=$?
+end=$(date +%s)
+echo "test.sh: phase 1 (two at a time) $((phase1 - start)) s, phase 2 (serial)" \
+     "$((end - phase1)) s, in all $((end - start)) s; exit status $status"
+exit "$status"
