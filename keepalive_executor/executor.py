@@ -204,7 +204,7 @@ class KeepaliveExecutor(Executor):
 
     def _make_watch(self, settings: KeepaliveSettings) -> StepWatch:
         return StepWatch(self._life, settings.failure_grace_s, self._on_step_timeout,
-                         self._give_up)
+                         self._give_up, horizon_s=settings.execute_timeout_s)
 
     def _assemble(self, settings: KeepaliveSettings, channel: Any, driver: Any,
                   gather: Callable[[RpcReply, float | None], list[RpcReply]],

@@ -39,6 +39,13 @@ function :func:`decide` with an injectable clock:
 
 A rank that dies during a step makes that step's collectives impossible, so the grace only
 has to cover a step that had already passed its last collective when the rank died.
+
+Steps do not wake the watch. It sleeps until the deadline it knows of, or for its *horizon*
+(the model steps' timeout) when it knows of none, and :meth:`Lifecycle.enter` wakes it only for
+a step whose deadline falls before the watch would look anyway (a ``collective_rpc`` with a
+short ``timeout``); a model step's deadline never does. Leaving a step wakes nothing: the watch
+finds the step gone when it looks. A failure and a stop wake it at once. So a model step costs
+the watch no thread switch.
 """
 
 from __future__ import annotations
@@ -108,6 +115,9 @@ class Lifecycle:
         self._state = ExecutorState.RUNNING
         self._failure: Failure | None = None
         self._step: StepInProgress | None = None
+        #: when the step watch looks next (it sleeps until then); None: it waits to be woken
+        #: (or there is no watch). Written by the watch, read by enter(), under ``cond``.
+        self.watch_looks_at: float | None = None
 
     @property
     def state(self) -> ExecutorState:
@@ -154,18 +164,20 @@ class Lifecycle:
                     f"keepalive executor: {name} began while rank 0 is inside {self._step.name}"
                 )
             now = self.clock()
+            deadline = None if timeout_s is None else now + timeout_s
             self._step = StepInProgress(
-                name, now, None if timeout_s is None else now + timeout_s, timeout_s,
-                timeout_source, threading.get_ident(),
+                name, now, deadline, timeout_s, timeout_source, threading.get_ident(),
             )
-            self.cond.notify_all()
+            if deadline is not None and (self.watch_looks_at is None
+                                         or deadline < self.watch_looks_at):
+                self.cond.notify_all()  # the watch would look too late
             return self._step
 
     def exit(self) -> None:
-        """Rank 0 left its step (returned or raised)."""
+        """Rank 0 left its step (returned or raised); wakes nothing (see the module
+        docstring)."""
         with self.cond:
             self._step = None
-            self.cond.notify_all()
 
     def fail(self, reason: str) -> Failure | None:
         """Enter FAILED (once); return the failure, or None if not running any more.
@@ -231,6 +243,8 @@ class StepWatch:
     ``on_give_up(failure, step)`` once, when a step outlives the failure grace. The thread
     ends after a give-up or when the lifecycle is stopped; the executor owns it. Tests drive
     the same decisions without the thread through :meth:`check`, on the lifecycle's clock.
+    ``horizon_s``: how long the thread sleeps when it knows of no deadline (the model steps'
+    timeout: a model step entered meanwhile then never needs to wake it).
     """
 
     def __init__(
@@ -239,9 +253,11 @@ class StepWatch:
         grace_s: float,
         on_timeout: Callable[[StepInProgress], None],
         on_give_up: Callable[[Failure, StepInProgress], None],
+        horizon_s: float = 300.0,
     ) -> None:
         self._life = lifecycle
         self._grace_s = grace_s
+        self._horizon_s = horizon_s
         self._on_timeout = on_timeout
         self._on_give_up = on_give_up
         self._timed_out: StepInProgress | None = None  # reported: wait for the failure
@@ -296,6 +312,8 @@ class StepWatch:
                 action, wake, step, failure = self._decide()
                 if action is WatchAction.NONE:
                     now = life.clock()
-                    life.cond.wait(None if wake is None else max(0.0, wake - now))
+                    life.watch_looks_at = now + self._horizon_s if wake is None else wake
+                    life.cond.wait(max(0.0, life.watch_looks_at - now))
+                    life.watch_looks_at = None
                     continue
             self._act(action, step, failure)

@@ -35,13 +35,23 @@ Guarantees (checked as invariants by tests/test_pacer.py):
    step; a step that began before it makes the decision "busy". The pacer's own condition is
    never held across a send, so ``begin_step``/``finish_step``/``stop`` never wait for a
    broadcast that may block (on a GPU a copy can wait for the previous broadcast).
-2. While idle, the gap between consecutive broadcasts is at most ``interval`` plus the
-   thread's wake-up latency (the *slack*: a timed ``Condition.wait`` returning late under
-   load; tens of milliseconds on a loaded 2-core machine, far below the interval rule).
+2. No receiver waits on the channel longer than ``interval`` plus the thread's wake-up
+   latency (the *slack*: a timed ``Condition.wait`` returning late under load; tens of
+   milliseconds on a loaded 2-core machine, far below the interval rule). A receiver waits
+   from the end of its last step (or the last frame, if that came later); the next frame
+   is due ``interval`` after the last one, and comes at the latest ``interval`` after the
+   last step finished: the thread looks every ``interval`` while steps run, so a step that
+   outlasted the interval is followed by a keepalive within one interval of its end.
 3. After ``stop()`` or ``request_stop()`` returns, no keepalive begins. ``stop(timeout)``
    joins the thread for at most ``timeout`` seconds whatever the channel does (a thread stuck
    in a send is a daemon and is left behind). The executor then sends SHUTDOWN, the last frame
    every receiver sees.
+
+Nothing on a step's path wakes the thread: ``begin_step``, ``finish_step`` and
+``note_broadcast`` only update the state under the pacer's lock. The thread wakes on its own
+clock (when a keepalive is due while idle, every ``interval`` while busy) and on
+``stop``/``request_stop``; so a step costs no thread switch here, and a busy pacer wakes once
+per interval instead of once per step.
 
 The decision logic lives in :class:`PacerCore`, a plain object with an injectable clock that
 property tests drive without threads or sleeps; :class:`Pacer` wraps it in one thread.
@@ -119,6 +129,17 @@ class PacerCore:
             return None
         return self.last_broadcast + self.interval
 
+    def next_look(self, now: float) -> float | None:
+        """When the thread should look again, if nothing but the clock changes: when the
+        next keepalive is due while idle, one interval from now while busy (a step that ends
+        meanwhile is not announced), never once stopping or failed."""
+        due = self.keepalive_due_at()
+        if due is not None:
+            return due
+        if self.state is PacerState.BUSY:
+            return now + self.interval
+        return None
+
     def should_send(self, now: float) -> bool:
         """The decision itself: idle and the last broadcast is ``interval`` old."""
         due = self.keepalive_due_at()
@@ -167,7 +188,7 @@ class Pacer:
         self._on_failure = on_failure
         self._on_thread_start = on_thread_start
         self._cond = threading.Condition(threading.Lock())
-        self._changes = 0  # bumped on every notification, so the thread never misses one
+        self._changes = 0  # bumped on every stop request, so the thread never misses one
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.keepalives_sent = 0
 
@@ -197,17 +218,14 @@ class Pacer:
         self._thread.start()
 
     def begin_step(self) -> None:
-        """Mark a step as begun (never waits for a keepalive being sent)."""
+        """Mark a step as begun (never waits for a keepalive being sent; wakes nothing)."""
         with self._cond:
             self._core.begin_step()
-            self._changes += 1
 
     def finish_step(self) -> None:
-        """Mark a step as finished; wakes the thread so it can re-arm its timer."""
+        """Mark a step as finished (wakes nothing: the thread looks within an interval)."""
         with self._cond:
             self._core.finish_step()
-            self._changes += 1
-            self._cond.notify_all()
 
     def note_broadcast(self) -> None:
         """Record that a work frame was just broadcast."""
@@ -242,16 +260,16 @@ class Pacer:
     def tick(self) -> float | None:
         """One pass of the thread's loop: send a keepalive if one is due.
 
-        Returns the seconds until the next decision, or None when only a notification
-        (a step finishing, stop) can change it. The thread calls this; property tests call
-        it directly with a fake clock instead of running the thread.
+        Returns the seconds until the thread should look again, or None when only a stop
+        request can change anything. The thread calls this; property tests call it directly
+        with a fake clock instead of running the thread.
         """
         with self._send_lock:
             with self._cond:
                 now = self._clock()
                 if not self._core.should_send(now):
-                    due = self._core.keepalive_due_at()  # None unless idle
-                    return None if due is None else due - now
+                    look = self._core.next_look(now)
+                    return None if look is None else look - now
             # Holding only the send lock: a step that begins now broadcasts after us.
             try:
                 self._send_keepalive()

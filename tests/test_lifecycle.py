@@ -159,6 +159,32 @@ def test_watch_fails_a_step_past_its_timeout():
     watch.join(5)
 
 
+def test_a_model_step_wakes_no_watch_and_a_shorter_deadline_does():
+    """Entering and leaving a step wake the sleeping watch only when it would look too late:
+    a model step's deadline (its timeout is the watch's horizon) never is; a collective_rpc
+    with a shorter timeout is. (Wakes counted on the lifecycle's condition.)"""
+    now = [100.0]
+    life = Lifecycle(clock=lambda: now[0])
+    wakes = []
+    real_notify = life.cond.notify_all
+    life.cond.notify_all = lambda: (wakes.append(now[0]), real_notify())  # type: ignore[method-assign]
+    life.watch_looks_at = 100.0 + 300  # the watch sleeps for its horizon
+    for _ in range(3):
+        now[0] += 1
+        life.enter("execute_model", 300, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS")
+        life.exit()
+    assert wakes == []
+    life.enter("collective_rpc('check_health')", 10, "the call's timeout")
+    assert wakes == [103.0]
+    life.exit()
+    life.watch_looks_at = None  # the watch waits to be woken: any deadline wakes it
+    life.enter("execute_model", 300, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS")
+    assert wakes == [103.0, 103.0]
+    life.exit()
+    life.fail("rank 1 died")  # a failure always wakes it
+    assert len(wakes) == 3
+
+
 def test_driver_thread_abandon_fails_the_stuck_call_and_every_later_one():
     """Rank 0's calls run on the driver's thread, so a call stuck in a collective can be
     given up without ending the process."""

@@ -1,9 +1,10 @@
 """The pacer's idle/busy state machine, driven by hypothesis with a fake clock.
 
-The model (this file) tracks which steps are in flight and every broadcast with its time;
-the pacer under test is the real :class:`Pacer`, whose thread body (``tick``) the machine
-calls wherever the real thread would wake: at every due time while time advances, and after
-every notification (a step finishing). No threads, no sleeps.
+The model (this file) tracks which steps are in flight, when the last one finished, and every
+broadcast with its time; the pacer under test is the real :class:`Pacer`, whose thread body
+(``tick``) the machine calls wherever the real thread would wake: when the previous tick said
+to look again, as time advances (nothing on a step's path wakes the thread), and on stop. No
+threads, no sleeps.
 """
 
 import threading
@@ -34,10 +35,12 @@ class PacerMachine(RuleBasedStateMachine):
         self.in_flight: set[int] = set()
         self.next_step = 0
         self.broadcasts: list[tuple[float, str]] = [(self.clock.now, "start")]
+        self.last_finish = self.clock.now
         self.violations: list[str] = []
         self.stopped = False
         self.sent_after_stop = 0
         self.pacer = Pacer(INTERVAL, self._send_keepalive, clock=self.clock)
+        self.next_tick: float | None = self.clock.now  # the thread looks at once
 
     # the "channel": records keepalives and checks guarantee 1 at the moment of sending
     def _send_keepalive(self) -> None:
@@ -50,9 +53,10 @@ class PacerMachine(RuleBasedStateMachine):
             self.violations.append(f"premature keepalive {self.clock.now - last:.3f}s after last")
         self.broadcasts.append((self.clock.now, "keepalive"))
 
-    def _wake(self) -> None:
-        """The thread wakes on a notification and makes its decision at once."""
-        self.pacer.tick()
+    def _tick(self) -> None:
+        """One pass of the thread, and when it will look again."""
+        wait = self.pacer.tick()
+        self.next_tick = None if wait is None else self.clock.now + wait
 
     @rule()
     @precondition(lambda self: not self.stopped)
@@ -70,25 +74,23 @@ class PacerMachine(RuleBasedStateMachine):
     def finish_step(self, data) -> None:
         step = data.draw(st.sampled_from(sorted(self.in_flight)))
         self.in_flight.discard(step)
-        self.pacer.finish_step()
-        self._wake()
+        self.pacer.finish_step()  # no notification: the thread does not wake
+        self.last_finish = self.clock.now
 
     @rule(dt=st.floats(min_value=0.0, max_value=3.5 * INTERVAL))
     def advance(self, dt: float) -> None:
         target = self.clock.now + dt
-        while True:
-            wait = self.pacer.tick()
-            if wait is None or self.clock.now + wait > target:
-                break
-            self.clock.now += wait
+        while self.next_tick is not None and self.next_tick <= target:
+            self.clock.now = max(self.clock.now, self.next_tick)
+            self._tick()
         self.clock.now = target
-        self.pacer.tick()
 
     @rule()
     def stop(self) -> None:
-        self.pacer.stop()
+        self.pacer.stop()  # notifies: the thread leaves its loop, sending nothing more
         self.stopped = True
-        self._wake()
+        self.next_tick = None
+        self.pacer.tick()
 
     @rule()
     @precondition(lambda self: self.stopped)
@@ -107,9 +109,17 @@ class PacerMachine(RuleBasedStateMachine):
         assert not self.violations, self.violations
 
     @invariant()
-    def idle_gap_never_exceeds_the_interval(self) -> None:
+    def no_receiver_waits_longer_than_the_interval(self) -> None:
+        """A receiver waits from the end of the last step, or from the last frame if that
+        came later: never longer than the interval while idle."""
         if not self.stopped and not self.in_flight:
-            assert self.clock.now - self.broadcasts[-1][0] < INTERVAL + 1e-9
+            waiting_since = max(self.broadcasts[-1][0], self.last_finish)
+            assert self.clock.now - waiting_since < INTERVAL + 1e-9
+
+    @invariant()
+    def the_thread_always_looks_again_while_running(self) -> None:
+        if not self.stopped:
+            assert self.next_tick is not None and self.next_tick <= self.clock.now + INTERVAL
 
     @invariant()
     def nothing_after_stop(self) -> None:
@@ -129,6 +139,28 @@ PacerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=
 TestPacerMachine = PacerMachine.TestCase
 
 
+@pytest.mark.parametrize("before, ran, then", [(0.5, 1.0, 1.1), (0.5, 2.7, 0.95),
+                                               (0.0, 0.3, 0.95), (0.9, 1.05, 1.05)])
+def test_a_step_of_any_length_is_followed_by_a_frame_within_one_interval_of_its_end(
+        before, ran, then):
+    """The machine's worst case, spelled out: BEFORE intervals after the thread's first look
+    a step begins; it runs RAN intervals past its broadcast while the thread looks (ticks
+    while busy); it ends without waking the thread; THEN intervals later the receivers,
+    waiting since the end, have had a frame within one interval. (A pacer that looked less
+    often while busy, or waited for a notification, leaves them waiting longer.)"""
+    m = PacerMachine()
+    m.advance(before)
+    m.begin_step()
+    m.advance(ran)
+    [step] = m.in_flight
+    m.in_flight.discard(step)
+    m.pacer.finish_step()
+    m.last_finish = m.clock.now
+    m.advance(then)
+    m.no_receiver_waits_longer_than_the_interval()
+    m.never_a_keepalive_during_a_step_nor_a_premature_one()
+
+
 def test_core_decision_examples():
     core = PacerCore(2.0, now=0.0)
     assert not core.should_send(1.9) and core.should_send(2.0)
@@ -138,6 +170,13 @@ def test_core_decision_examples():
     assert core.should_send(100.0)
     core.note_broadcast(100.0)
     assert not core.should_send(101.0)
+    # when the thread looks again: when due while idle, an interval on while busy, never
+    # once stopped
+    assert core.next_look(101.0) == 102.0
+    core.begin_step()
+    assert core.next_look(101.0) == 103.0
+    core.stop()
+    assert core.next_look(101.0) is None
     with pytest.raises(ValueError):
         PacerCore(0.0, now=0.0)
 
