@@ -346,7 +346,9 @@ class BroadcastChannel:
         return self._send(MessageKind.KEEPALIVE, b"")
 
     def send_shutdown(self) -> int:
-        """Broadcast the final frame and wait until it is out; further sends raise."""
+        """Broadcast the final frame and wait until it is out; further sends raise. Binds
+        the calling thread first: shutdown sends from a thread of its own."""
+        self.bind_thread()
         with self.send_lock:
             seq = self._send(MessageKind.SHUTDOWN, b"")
             self.flush()
@@ -412,11 +414,12 @@ class BroadcastChannel:
             if not block and not all(w.is_completed() for w in oldest.works):
                 return
             try:
-                for work in oldest.works:
-                    if self.device.type == "cpu":
-                        work.wait()
-                    else:
-                        _wait_polling(work, self._poll_max_s)
+                with self._on_stream():  # a wait orders the current stream: ours
+                    for work in oldest.works:
+                        if self.device.type == "cpu":
+                            work.wait()
+                        else:
+                            _wait_polling(work, self._poll_max_s)
             except Exception as e:
                 self._closed = True
                 raise ChannelTransportError(
