@@ -133,6 +133,9 @@ class ChannelSpec:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     #: pipeline parallelism: how long a step's output may take to come back to rank 0
     output_timeout_s: float = 300.0
+    #: the timeout of the channel's own NCCL group (``device`` on NCCL/RCCL): the validated
+    #: timeout of the world's device group, which the interval was checked against
+    group_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
