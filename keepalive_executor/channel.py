@@ -505,6 +505,10 @@ def open_world_channel(spec: ChannelSpec) -> tuple[BroadcastChannel, Any]:
         group, device = world.cpu_group, torch.device("cpu")
     else:
         group, device = world.device_group, world.device
+        if device.type == "cuda":  # NCCL/RCCL: a communicator of its own, CTA-limited
+            from keepalive_executor import nccl
+
+            group = nccl.channel_group(world.ranks, spec.group_timeout_s) or group
     channel = BroadcastChannel(
         group, src=world.ranks[0], device=device, inline_bytes=spec.inline_bytes,
         max_payload_bytes=spec.max_payload_bytes,
