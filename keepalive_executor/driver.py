@@ -64,8 +64,9 @@ def is_async_output(value: Any) -> bool:
 
 def resolve_output(value: Any) -> Any:
     """Wait for an asynchronous model output (async scheduling) and return it; any other
-    value as it is. A pair (the fused step's two outputs) is resolved element by element."""
-    if isinstance(value, tuple):
+    value as it is (the same object). A plain tuple holding one (the fused step's pair of
+    outputs) is resolved element by element."""
+    if type(value) is tuple and any(is_async_output(v) for v in value):
         return tuple(resolve_output(v) for v in value)
     return value.get_output() if is_async_output(value) else value
 
