@@ -18,6 +18,8 @@ The pieces, and who owns which thread::
       |- Pacer (pacer.py) ------- thread keepalive-pacer: keepalives while idle
       |- StepRunner (steps.py) -- one step: owner lock, lifecycle entry, pacer token,
       |                           broadcast, rank 0's part, reply gather
+      |- DeferredOutputs -------- async scheduling: rank 0's outputs, resolved when the
+      |  (deferred.py)            engine asks, in order, on rank 0's thread
       `- Lifecycle + StepWatch -- running/failed/stopped; thread keepalive-step-watch:
          (lifecycle.py)           step timeouts and giving up a step a failure made endless
 

@@ -38,6 +38,12 @@ calls ``sample_tokens`` (an exception between the two, which vLLM's fault-tolera
 survive) leaves the ranks in step and the executor usable: the next step discards the
 unclaimed output, with a warning.
 
+Async scheduling. A model step's output may still be on its way to the host when rank 0's
+part returns; the step ends there, and the engine's future resolves the output later
+(:mod:`keepalive_executor.deferred`) in a *local step* (:meth:`StepRunner.run_local`): the
+owner lock and a lifecycle entry (the step timeout, the give-up), rank 0's thread, no
+broadcast and so no pacer token.
+
 Failure rules. A call that cannot be encoded or is too large fails before anything is sent:
 the caller gets the error and the executor stays usable. Once the broadcast is out, the other
 ranks are running the step; until every rank is known to be done with it (``settled``), any
