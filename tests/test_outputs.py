@@ -241,3 +241,18 @@ def test_a_receiver_resolves_only_the_outputs_it_returns(monkeypatch):
     assert made["execute_model"].waited_on == [] and made["sample_tokens"].waited_on == []
     assert made["apply_model"].waited_on == ["MainThread"]
     assert [r.value for r in gathered] == ["out-of-apply_model"]
+
+
+def test_resolving_leaves_every_value_but_an_async_output_as_it_is():
+    """A NamedTuple (vLLM returns some from collective_rpc at start-up) must come back as
+    the same object; only a plain pair holding an async output is rebuilt."""
+    from collections import namedtuple
+
+    from keepalive_executor.driver import resolve_output
+
+    Pair = namedtuple("Pair", "language_model other")
+    value = Pair(1, 2)
+    assert resolve_output(value) is value
+    plain = (None, "x")
+    assert resolve_output(plain) is plain
+    assert resolve_output((None, LateOutput("tokens"))) == (None, "tokens")
