@@ -8,11 +8,14 @@ What is measured
 ================
 
 Rank 0 sends one small message (64 B) after a gap (``--gaps``, default 1, 5, 20, 100 and
-1000 ms) of silence, many times per gap; each receiver takes ``time.monotonic()`` as soon as
-the message is in its hands and reports ``t_received - t_sent`` (the sender stamped
-``t_sent`` into the message just before sending; CLOCK_MONOTONIC is one clock for every
-process on a Linux machine, so this one-way figure needs no ack). Reported per gap: the
-median, p90, p99 and maximum wake-up latency in microseconds, over all receivers.
+1000 ms) of silence, many times per gap (``--messages-s`` seconds of messages per gap and
+mode, split over ``--rounds`` rounds; in each round every gap runs every mode in turn, the
+order rotated per round, so that outside load lands on all modes alike); each receiver
+takes ``time.monotonic()`` as soon as the message is in its hands and reports
+``t_received - t_sent`` (the sender stamped ``t_sent`` into the message just before
+sending; CLOCK_MONOTONIC is one clock for every process on a Linux machine, so this one-way
+figure needs no ack). Reported per gap: the median, p90, p99 and maximum wake-up latency in
+microseconds, over all receivers.
 
 Then the idle cost: after one last message, the receivers wait ``--idle-seconds`` with
 nothing sent; rank 0 samples their CPU time (psutil, user + system, all threads) at the start
@@ -104,48 +107,68 @@ def _message() -> bytes:
     return _STAMP.pack(time.monotonic_ns()) + b"\0" * 56
 
 
-def run_mode(mode: str, rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Every rank: the gaps, then the idle window. Returns rank 0's figures."""
+def series(ep: Endpoint, rank: int, gap_ms: float, n: int) -> list[float]:
+    """``n`` messages, each after ``gap_ms`` of silence; the receivers' latencies (us).
+    The first message opens the series (the wait before it is not a gap) and is not
+    counted."""
+    samples: list[float] = []
+    for i in range(n + 1):
+        if rank == 0:
+            time.sleep(gap_ms / 1000)
+            ep.send(_message())
+        else:
+            data = ep.recv()
+            now = time.monotonic_ns()
+            if i > 0:
+                samples.append((now - _STAMP.unpack_from(data)[0]) / 1000)
+    return samples
+
+
+def idle_cpu(ep: Endpoint, rank: int, pids: list[int], seconds: float) -> list[float] | None:
+    """After one last step, the receivers' CPU over ``seconds`` (% of one core each)."""
     import psutil
+
+    if rank != 0:
+        ep.recv()
+        ep.recv()
+        return None
+    procs = [psutil.Process(p) for p in pids[1:]]
+    ep.send(_message())
+    time.sleep(0.01)  # the receivers are in their next wait
+    c0 = [sum(p.cpu_times()[:2]) for p in procs]
+    w0 = time.monotonic()
+    time.sleep(seconds)
+    c1 = [sum(p.cpu_times()[:2]) for p in procs]
+    wall = time.monotonic() - w0
+    ep.send(_message())
+    return [100 * (b - a) / wall for a, b in zip(c0, c1, strict=True)]
+
+
+def run_all(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every rank, the same schedule: ``--rounds`` rounds; in each, every gap, and for each
+    gap every mode in turn (the order rotated per round), so that a burst of outside load
+    lands on all modes alike; then each mode's idle window."""
     import torch.distributed as dist
 
-    ep = Endpoint(mode, rank, world)
+    eps = {mode: Endpoint(mode, rank, world) for mode in args.modes}
     pids: list[Any] = [None] * world
     dist.all_gather_object(pids, os.getpid())
-    lat: dict[str, list[float]] = {}
-    schedule = [(gap, max(3, round(args.messages_s / (gap / 1000)))) for gap in args.gaps]
-    for gap, n in schedule:
-        samples: list[float] = []
-        for i in range(n + 1):  # the first message opens the series and is not counted
-            if rank == 0:
-                time.sleep(gap / 1000)
-                ep.send(_message())
-            else:
-                data = ep.recv()
-                now = time.monotonic_ns()
-                if i > 0:
-                    samples.append((now - _STAMP.unpack_from(data)[0]) / 1000)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, samples)
-        lat[str(gap)] = [x for part in gathered[1:] for x in part]
-    idle = None
-    if rank == 0:
-        procs = [psutil.Process(p) for p in pids[1:]]
-        ep.send(_message())
-        time.sleep(0.01)  # the receivers are in their next wait
-        c0 = [sum(p.cpu_times()[:2]) for p in procs]
-        w0 = time.monotonic()
-        time.sleep(args.idle_seconds)
-        c1 = [sum(p.cpu_times()[:2]) for p in procs]
-        wall = time.monotonic() - w0
-        idle = [100 * (b - a) / wall for a, b in zip(c0, c1, strict=True)]
-        ep.send(_message())
-    else:
-        ep.recv()
-        ep.recv()
-    ep.close()
+    lat: dict[str, dict[str, list[float]]] = {m: {str(g): [] for g in args.gaps}
+                                              for m in args.modes}
+    for r in range(args.rounds):
+        order = args.modes[r % len(args.modes):] + args.modes[:r % len(args.modes)]
+        for gap in args.gaps:
+            n = max(2, round(args.messages_s / (gap / 1000) / args.rounds))
+            for mode in order:
+                got = series(eps[mode], rank, gap, n)
+                parts: list[Any] = [None] * world
+                dist.all_gather_object(parts, got)
+                lat[mode][str(gap)] += [x for part in parts[1:] for x in part]
+    idle = {mode: idle_cpu(eps[mode], rank, pids, args.idle_seconds) for mode in args.modes}
+    for ep in eps.values():
+        ep.close()
     dist.barrier()
-    return {"latency_us": lat, "idle_cpu_pct": idle}
+    return {m: {"latency_us": lat[m], "idle_cpu_pct": idle[m]} for m in args.modes}
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace, init_file: str,
@@ -160,7 +183,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, init_file: str,
                                 world_size=world, timeout=timedelta(seconds=600))
         import vllm.distributed.device_communicators.shm_broadcast  # noqa: F401
 
-        results = {mode: run_mode(mode, rank, world, args) for mode in args.modes}
+        results = run_all(rank, world, args)
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(results, f)
@@ -216,13 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--messages-s", type=float, default=2.0,
                    help="seconds of messages per gap (at least 3 messages)")
     p.add_argument("--idle-seconds", type=float, default=10.0)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--wait-quiet", type=float, default=30.0)
+    p.add_argument("--wait-quiet", type=float, default=60.0)
     p.add_argument("--quick", action="store_true", help="short: 0.3 s per gap, 2 s idle")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     if args.quick:
-        args.messages_s, args.idle_seconds, args.gaps = 0.3, 2.0, [1, 20, 200]
+        args.messages_s, args.idle_seconds, args.gaps, args.rounds = 0.3, 2.0, [1, 20, 200], 1
     wait_quiet(args.wait_quiet)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="bench_wait_") as tmp:
