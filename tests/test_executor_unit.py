@@ -973,6 +973,13 @@ class FakeOutputs:
             if not f.done():
                 f.set_exception(error)
 
+    @property
+    def pending(self) -> int:
+        return sum(not f.done() for _, f in self.expected)
+
+    def drain(self, timeout_s: float) -> bool:
+        return self.pending == 0
+
     def start(self) -> None:
         pass
 
@@ -1014,4 +1021,26 @@ def test_pipeline_steps_overlap_resolve_in_order_and_hold_the_pacer_until_their_
     with pytest.raises(ExecutorFailedError, match="worker rank 1 died"):
         sample_c.result(timeout=10)
     assert exec_c.exception(timeout=10) is not None and pacer.in_flight == 0
+    ex.shutdown()
+
+
+def test_pipeline_keeps_p_plus_one_batches_in_flight_as_async_scheduling_asks():
+    """vLLM 0.32 with async scheduling and the V2 model runner keeps P + 1 batches in flight
+    under PP (VllmConfig.max_concurrent_batches): three at PP=2, each broadcast at once,
+    each holding the pacer until its output arrived, resolved in step order."""
+    trace, clock = Trace(), Clock()
+    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD)
+    ex._pp, ex._outputs = True, FakeOutputs()
+    pacer = ex._pacer
+    samples = []
+    for _ in range(3):
+        ex.execute_model(so(), non_block=True)
+        samples.append(ex.sample_tokens(None, non_block=True))
+    assert pacer.in_flight == 3 and not any(f.done() for f in samples)
+    assert [e for e in trace.events if e[0] == "broadcast"] == [
+        ("broadcast", "execute_then_sample")] * 3
+    for i, (_, future) in enumerate(ex._outputs.expected):
+        future.set_result((None, f"sampled-{i}"))
+        assert samples[i].result() == f"sampled-{i}" and pacer.in_flight == 2 - i
+        assert not any(f.done() for f in samples[i + 1:])
     ex.shutdown()
