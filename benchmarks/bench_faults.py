@@ -87,6 +87,12 @@ def finish(s: Server, tree: list[psutil.Process]) -> dict:
 
 def kill_worker(model: str, backend: str, out: Path, busy: bool) -> dict:
     s = start(model, backend, f"kill-worker-{'busy' if busy else 'idle'}", out)
+    return kill_worker_of(s, backend, busy)
+
+
+def kill_worker_of(s: Server, backend: str, busy: bool) -> dict:
+    """SIGKILL rank 1's worker of the running server ``s`` (under 8 streams if ``busy``);
+    how long until the server is unhealthy, the clients ended, it exited; what was left."""
     tree = s.tree()
     ends: dict = {}
     if busy:

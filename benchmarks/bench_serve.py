@@ -356,6 +356,27 @@ def measure_idle(srv: Server, seconds: float) -> dict[str, Any]:
     }
 
 
+def idle_by_process(srv: Server, seconds: float) -> dict[str, float]:
+    """CPU (% of one core) of each process of the server's tree over ``seconds`` with no
+    request in flight, by process title (``VLLM::EngineCore``, ``VLLM::Worker_TP1``...)."""
+    tree = srv.tree()
+    before = cpu_seconds(tree)
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    after = cpu_seconds(tree)
+    wall = time.monotonic() - t0
+    out: dict[str, float] = {}
+    for p in tree:
+        try:
+            key = (p.pid, p.create_time())
+            name = f"{_name(p)} ({p.pid})"
+        except psutil.Error:
+            continue
+        if key in before and key in after:
+            out[name] = round(100.0 * (after[key] - before[key]) / wall, 2)
+    return out
+
+
 def stream_ttft(srv: Server, prompt: str) -> float:
     """Seconds from sending a streaming completion to the first chunk with non-empty text."""
     import openai

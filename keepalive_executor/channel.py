@@ -53,10 +53,15 @@ channel is issued on it, whichever thread sends (rank 0's driver thread, the pac
 frame copy can never overtake a keepalive still in flight on the same buffer; each thread that
 uses the channel calls :meth:`BroadcastChannel.bind_thread` first (it sets the device). A
 receiver does not block in a device-to-host copy while idle (with CUDA's default scheduling
-that spins a core): it posts the broadcast asynchronously and polls the work object with a
-backoff capped at ``POLL_MAX_S``, so an idle receiver sleeps, at the price of up to
+that spins a core): it posts the broadcast asynchronously and polls the work object
+(:class:`PollSchedule`): right after a step (a PAYLOAD frame) it looks every ``POLL_MIN_S``
+for up to ``SPIN_S``, because while the engine serves the next step comes within
+milliseconds and rank 0's first all-reduce of that step waits for the slowest receiver;
+after that, and after a keepalive (the engine is idle), it backs off from ``POLL_MIN_S``
+doubling to ``POLL_MAX_S``, so an idle receiver sleeps, at the price of up to
 ``POLL_MAX_S`` extra latency on the first message after an idle spell. The polling wait is
-transport-agnostic and is tested on gloo (``wait="poll"``); nothing here ran on a GPU.
+transport-agnostic and is tested and measured on gloo (``wait="poll"``,
+benchmarks/bench_wait.py); nothing here ran on a GPU.
 
 Trust: receivers act on what the source rank sends. Every rank therefore trusts the source
 rank and whoever can join the process group (see docs/reliability.md).
@@ -85,6 +90,8 @@ __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "TRANSPORTS",
     "POLL_MAX_S",
+    "SPIN_S",
+    "PollSchedule",
     "ChannelSpec",
     "MessageKind",
     "Message",
@@ -121,6 +128,9 @@ SEND_WINDOW = 8
 #: Polling wait (receivers on a GPU): the backoff starts at POLL_MIN_S and doubles up to this.
 POLL_MAX_S = 0.005
 POLL_MIN_S = 0.00002
+#: Polling wait: how long a receiver keeps looking every POLL_MIN_S after a step before it
+#: backs off (see PollSchedule; the figures behind it are in docs/benchmarks.md).
+SPIN_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,9 @@ class ChannelSpec:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     #: pipeline parallelism: how long a step's output may take to come back to rank 0
     output_timeout_s: float = 300.0
+    #: the timeout of the channel's own NCCL group (``device`` on NCCL/RCCL): the validated
+    #: timeout of the world's device group, which the interval was checked against
+    group_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -242,13 +255,48 @@ class SequenceChecker:
         self.last_seq = seq
 
 
-def _wait_polling(work: Any, poll_max_s: float) -> None:
-    """Wait for ``work`` by polling with a doubling backoff: the thread sleeps between polls
-    instead of blocking in a device synchronisation that may spin."""
-    delay = POLL_MIN_S
+class PollSchedule:
+    """How long a polling wait sleeps before each look at its pending broadcast.
+
+    A wait that follows a step (:meth:`note`: the last frame was a PAYLOAD) "spins" for its
+    first ``spin_s``: it looks every ``poll_min_s``, so a step that follows within
+    ``spin_s`` is seen at most ``poll_min_s`` (plus the timer's slack) late. After
+    ``spin_s``, and in any wait that follows a keepalive or starts the channel (the engine
+    is idle), the sleep doubles from ``poll_min_s`` up to ``poll_max_s``: an idle receiver
+    looks ~1/poll_max_s times a second, and a frame is seen at most ``poll_max_s`` late.
+    (It sleeps between looks rather than yielding: with fewer free cores than spinning
+    threads, gloo's own thread, which completes the receive, was starved by a yielding
+    spinner; docs/benchmarks.md, "The receive wait".) Pure: the caller passes the time
+    already waited.
+    """
+
+    def __init__(self, spin_s: float = SPIN_S, poll_min_s: float = POLL_MIN_S,
+                 poll_max_s: float = POLL_MAX_S) -> None:
+        self.spin_s = spin_s
+        self.poll_min_s = poll_min_s
+        self.poll_max_s = poll_max_s
+        self.after_step = False
+
+    def note(self, kind: MessageKind) -> None:
+        """The frame just received: a step re-arms the spin, anything else disarms it."""
+        self.after_step = kind is MessageKind.PAYLOAD
+
+    def delay(self, waited_s: float, previous: float | None) -> float:
+        """The sleep before the next look, ``waited_s`` into this wait (``previous``: the
+        sleep before the last look, None at the start)."""
+        if previous is None or (self.after_step and waited_s < self.spin_s):
+            return self.poll_min_s
+        return min(previous * 2, self.poll_max_s)
+
+
+def _wait_polling(work: Any, schedule: PollSchedule) -> None:
+    """Wait for ``work`` by polling it on ``schedule``: the thread sleeps between looks
+    instead of blocking in a device synchronisation that may spin a core."""
+    start = time.monotonic()
+    delay: float | None = None
     while not work.is_completed():
+        delay = schedule.delay(time.monotonic() - start, delay)
         time.sleep(delay)
-        delay = min(delay * 2, poll_max_s)
     work.wait()  # raises the collective's error, if any; orders the stream after it
 
 
@@ -259,8 +307,9 @@ class BroadcastChannel:
     rank) may call the ``send*`` methods, every other rank calls :meth:`recv`.
     ``device`` is where frames live: ``cpu`` for gloo, the rank's CUDA device for NCCL/RCCL.
     ``wait`` is how a receiver waits: ``block`` (inside the collective; gloo sleeps there) or
-    ``poll`` (asynchronous collective polled with a backoff); default: ``poll`` on a GPU,
-    ``block`` on CPU.
+    ``poll`` (asynchronous collective polled on a :class:`PollSchedule`: every
+    ``POLL_MIN_S`` for ``spin_s`` after each step, then a backoff up to ``poll_max_s``);
+    default: ``poll`` on a GPU, ``block`` on CPU.
     """
 
     def __init__(
@@ -273,6 +322,7 @@ class BroadcastChannel:
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         wait: str | None = None,
         poll_max_s: float = POLL_MAX_S,
+        spin_s: float = SPIN_S,
     ) -> None:
         if inline_bytes < 0:
             raise ValueError(f"inline_bytes must be >= 0, got {inline_bytes}")
@@ -293,7 +343,9 @@ class BroadcastChannel:
         if wait not in ("block", "poll"):
             raise ValueError(f"wait must be 'block' or 'poll', got {wait!r}")
         self.wait = wait
-        self._poll_max_s = poll_max_s
+        self._schedule = PollSchedule(spin_s=spin_s, poll_max_s=poll_max_s)
+        #: the sender's wait for a free frame: a backoff, no spin
+        self._reap_schedule = PollSchedule(spin_s=0.0, poll_max_s=poll_max_s)
         # One stream for every copy and broadcast of the channel, whichever thread sends.
         self._stream = torch.cuda.Stream(device=self.device) if on_gpu else None
         self._frame = torch.zeros(self.frame_bytes, dtype=torch.uint8, device=self.device)
@@ -329,7 +381,7 @@ class BroadcastChannel:
             work.wait()
         else:
             work = dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
-            _wait_polling(work, self._poll_max_s)
+            _wait_polling(work, self._schedule)
 
     # ------------------------------------------------------------------ sender side
     def send(self, data: bytes | bytearray | memoryview) -> int:
@@ -346,7 +398,9 @@ class BroadcastChannel:
         return self._send(MessageKind.KEEPALIVE, b"")
 
     def send_shutdown(self) -> int:
-        """Broadcast the final frame and wait until it is out; further sends raise."""
+        """Broadcast the final frame and wait until it is out; further sends raise. Binds
+        the calling thread first: shutdown sends from a thread of its own."""
+        self.bind_thread()
         with self.send_lock:
             seq = self._send(MessageKind.SHUTDOWN, b"")
             self.flush()
@@ -412,11 +466,12 @@ class BroadcastChannel:
             if not block and not all(w.is_completed() for w in oldest.works):
                 return
             try:
-                for work in oldest.works:
-                    if self.device.type == "cpu":
-                        work.wait()
-                    else:
-                        _wait_polling(work, self._poll_max_s)
+                with self._on_stream():  # a wait orders the current stream: ours
+                    for work in oldest.works:
+                        if self.device.type == "cpu":
+                            work.wait()
+                        else:
+                            _wait_polling(work, self._reap_schedule)
             except Exception as e:
                 self._closed = True
                 raise ChannelTransportError(
@@ -448,6 +503,7 @@ class BroadcastChannel:
                 raw = self._host_np
                 header = decode_header(raw[:HEADER_SIZE].tobytes(), self.max_payload_bytes)
                 self._seq_check.check(header.seq)
+                self._schedule.note(header.kind)
                 data: memoryview | None = None
                 if header.kind is MessageKind.PAYLOAD:
                     # the caller reads straight from the frame (or the payload tensor)
@@ -499,6 +555,10 @@ def open_world_channel(spec: ChannelSpec) -> tuple[BroadcastChannel, Any]:
         group, device = world.cpu_group, torch.device("cpu")
     else:
         group, device = world.device_group, world.device
+        if device.type == "cuda":  # NCCL/RCCL: a communicator of its own, CTA-limited
+            from keepalive_executor import nccl
+
+            group = nccl.channel_group(world.ranks, spec.group_timeout_s) or group
     channel = BroadcastChannel(
         group, src=world.ranks[0], device=device, inline_bytes=spec.inline_bytes,
         max_payload_bytes=spec.max_payload_bytes,

@@ -8,17 +8,20 @@ reads itself are node-local (its start-up timeout, the shared secret).
 ====================================  =============================================================
 setting                               rule
 ====================================  =============================================================
-``VLLM_KEEPALIVE_TRANSPORT``          ``device`` (default: the world device group, NCCL/RCCL on
-                                      GPUs, gloo on CPU) or ``cpu`` (the world gloo CPU group)
+``VLLM_KEEPALIVE_TRANSPORT``          ``device`` (the world device group: NCCL/RCCL on GPUs, gloo
+                                      on CPU) or ``cpu`` (the world gloo CPU group). Default:
+                                      ``cpu`` on NCCL/RCCL, ``device`` elsewhere (docs/design.md,
+                                      "The GPU default transport"). ``device`` with pipeline
+                                      parallelism on NCCL/RCCL is refused
 keepalive interval                    ``--additional-config '{"keepalive_interval_s": X}'`` wins
                                       over ``VLLM_KEEPALIVE_INTERVAL_S``; default
                                       ``min(timeout / 4, 30 s)``; ``0 < interval <= timeout / 2``
 collective timeout                    the one governing the chosen group:
                                       ``--distributed-timeout-seconds`` (device group) or
                                       ``--cpu-distributed-timeout-seconds`` (CPU group); torch's
-                                      defaults when unset (gloo 1800 s, NCCL 600 s). On NCCL the
-                                      interval must also be at most half of
-                                      ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` (torch's default 480 s)
+                                      defaults when unset (gloo 1800 s, NCCL 600 s).
+                                      ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` plays no part: it bounds
+                                      a stuck watchdog thread, not an idle collective
 ``VLLM_KEEPALIVE_INLINE_BYTES``       frame capacity (default 16 KiB), integer >= 0
 ``VLLM_KEEPALIVE_MAX_PAYLOAD_BYTES``  largest message (default 1 GiB), integer >= 0
 ``VLLM_KEEPALIVE_FAILURE_GRACE_S``    after a rank failed while rank 0 is inside a step: how long
@@ -32,6 +35,12 @@ collective timeout                    the one governing the chosen group:
                                       period), > 0
 ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` vLLM's own: a model step that has not returned after
                                       this long fails the executor (vLLM's default 300 s), > 0
+``VLLM_KEEPALIVE_ASYNC_SCHEDULING``   ``1`` opts in to vLLM's async scheduling (not yet verified
+                                      on GPUs); ``0`` or unset: the executor reports it does not
+                                      support it. Read where vLLM asks, at config time
+``TORCH_NCCL_ASYNC_ERROR_HANDLING``   torch's own (0-3). On NCCL/RCCL the executor sets ``2``
+                                      (abort the communicators, keep the process) when it is unset,
+                                      so a failed collective is an error, not a SIGABRT
 ====================================  =============================================================
 
 Why at most half the timeout: a receiver's wait can start up to one interval before the next
@@ -64,7 +73,8 @@ __all__ = [
     "ENV_STARTUP_TIMEOUT",
     "ENV_LIVENESS_TIMEOUT",
     "ENV_EXECUTE_TIMEOUT",
-    "ENV_NCCL_HEARTBEAT",
+    "ENV_ASYNC_SCHEDULING",
+    "ENV_NCCL_ERROR_HANDLING",
     "ADDITIONAL_CONFIG_INTERVAL",
     "KeepaliveConfigError",
     "KeepaliveSettings",
@@ -75,6 +85,8 @@ __all__ = [
     "default_liveness_timeout_s",
     "group_timeout_s",
     "startup_timeout_s",
+    "async_scheduling_opt_in",
+    "nccl_error_handling",
     "settings_from_vllm_config",
     "check_parallel_layout",
     "check_features",
@@ -88,14 +100,25 @@ ENV_FAILURE_GRACE = "VLLM_KEEPALIVE_FAILURE_GRACE_S"
 ENV_STARTUP_TIMEOUT = "VLLM_KEEPALIVE_STARTUP_TIMEOUT_S"
 ENV_LIVENESS_TIMEOUT = "VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S"
 ENV_EXECUTE_TIMEOUT = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
-ENV_NCCL_HEARTBEAT = "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"
+ENV_ASYNC_SCHEDULING = "VLLM_KEEPALIVE_ASYNC_SCHEDULING"
+ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 ADDITIONAL_CONFIG_INTERVAL = "keepalive_interval_s"
 
 #: torch.distributed's defaults (torch/distributed/constants.py: default_pg_timeout and
-#: default_pg_nccl_timeout; the NCCL heartbeat from ProcessGroupNCCL's heartbeatTimeoutInSec_).
+#: default_pg_nccl_timeout).
 TORCH_GLOO_TIMEOUT_S = 1800.0
 TORCH_NCCL_TIMEOUT_S = 600.0
-TORCH_NCCL_HEARTBEAT_S = 480.0
+#: torch's default TORCH_NCCL_ASYNC_ERROR_HANDLING (ProcessGroupNCCL's constructor: 3,
+#: SkipCleanUp) and what the executor sets when it is unset (2, CleanUpOnly); what each means
+#: for a process is in docs/design.md, "Failure semantics on NCCL/RCCL".
+TORCH_NCCL_ERROR_HANDLING_DEFAULT = 3
+KEEPALIVE_NCCL_ERROR_HANDLING = 2
+NCCL_ERROR_HANDLING_MODES = {
+    0: "no handling: errors surface only in a wait",
+    1: "abort the communicators, then end the process (SIGABRT)",
+    2: "abort the communicators; the process stays and the waits raise",
+    3: "end the process (SIGABRT) without aborting the communicators",
+}
 MAX_DEFAULT_INTERVAL_S = 30.0
 DEFAULT_FAILURE_GRACE_S = 0.5
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
@@ -121,6 +144,13 @@ class KeepaliveSettings:
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S
     execute_timeout_s: float = VLLM_EXECUTE_TIMEOUT_S
+    transport_source: str = "default"
+    #: vLLM's own decision (``scheduler_config.async_scheduling``) and the opt-in
+    async_scheduling: bool = False
+    async_opt_in: bool = False
+    #: TORCH_NCCL_ASYNC_ERROR_HANDLING in force and where it came from (None: not NCCL)
+    nccl_error_handling: int | None = None
+    nccl_error_handling_source: str = ""
 
     @property
     def transport(self) -> str:
@@ -134,8 +164,22 @@ class KeepaliveSettings:
             f"interval={self.interval_s:g}s ({self.interval_source}), "
             f"timeout={self.timeout_s:g}s ({self.timeout_source}), "
             f"inline={self.channel.inline_bytes}B, failure grace={self.failure_grace_s:g}s, "
-            f"step timeout={self.execute_timeout_s:g}s"
+            f"step timeout={self.execute_timeout_s:g}s, "
+            f"async scheduling={self._async_description()}"
+            + ("" if self.transport_source == "default"
+               else f", transport from {self.transport_source}")
+            + ("" if self.nccl_error_handling is None else
+               f", NCCL errors: {ENV_NCCL_ERROR_HANDLING}={self.nccl_error_handling} "
+               f"({self.nccl_error_handling_source}: "
+               f"{NCCL_ERROR_HANDLING_MODES[self.nccl_error_handling]})")
         )
+
+    def _async_description(self) -> str:
+        if self.async_scheduling:
+            return f"on ({ENV_ASYNC_SCHEDULING}=1, not yet verified on GPUs)"
+        if self.async_opt_in:
+            return f"off (vLLM turned it off although {ENV_ASYNC_SCHEDULING}=1)"
+        return f"off (opt in with {ENV_ASYNC_SCHEDULING}=1)"
 
 
 def parse_seconds(raw: Any, source: str, *, example: float = 5) -> float:
@@ -199,10 +243,13 @@ def group_timeout_s(
 ) -> tuple[float, str]:
     """The timeout governing the group the channel runs on, and where it came from.
 
-    On NCCL the watchdog's heartbeat timeout also bounds how long a rank may look stuck, so
-    the smaller of the two governs.
+    ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` plays no part: ProcessGroupNCCL's heartbeat monitor
+    checks that the *watchdog thread* makes progress (its loop bumps the heartbeat every pass,
+    whether collectives are pending or not), so it bounds a watchdog stuck in a CUDA or NCCL
+    call, not how long a collective may wait. A pending broadcast is bounded by the group's
+    timeout alone (the watchdog's per-work timeout), which is what the interval is checked
+    against. (``env`` is accepted for symmetry with the other readers.)
     """
-    env = os.environ if env is None else env
     if transport == "cpu":
         seconds = parallel_config.cpu_distributed_timeout_seconds
         if seconds is not None:
@@ -215,22 +262,75 @@ def group_timeout_s(
         timeout, source = TORCH_NCCL_TIMEOUT_S, f"torch's {dist_backend} default"
     else:
         timeout, source = TORCH_GLOO_TIMEOUT_S, f"torch's {dist_backend} default"
-    if dist_backend == "nccl":
-        heartbeat = _positive_seconds(env, ENV_NCCL_HEARTBEAT, TORCH_NCCL_HEARTBEAT_S)
-        if heartbeat < timeout:
-            timeout, source = heartbeat, ENV_NCCL_HEARTBEAT
     return timeout, source
 
 
-def _parse_transport(env: Mapping[str, str]) -> str:
-    raw = env.get(ENV_TRANSPORT, "device")
+def _parse_transport(env: Mapping[str, str], dist_backend: str, pp: int) -> tuple[str, str]:
+    """The channel's transport and where it came from. On NCCL/RCCL the default is the gloo
+    CPU group (docs/design.md, "The GPU default transport"); ``device`` stays selectable,
+    except with pipeline parallelism: an NCCL broadcast travels a ring, so a frame could
+    wait behind a busy later stage, which the overlap of pipeline steps relies on not
+    happening (shown for gloo only)."""
+    raw = env.get(ENV_TRANSPORT, "")
+    if raw.strip() == "":
+        if dist_backend == "nccl":
+            return "cpu", "default on NCCL/RCCL: the gloo CPU group"
+        return "device", "default"
     value = raw.strip().lower()
     if value not in TRANSPORTS:
         raise KeepaliveConfigError(
             f"{ENV_TRANSPORT}={raw!r} is not a known transport: use 'device' (the world "
             "device group: NCCL/RCCL on GPUs, gloo on CPU) or 'cpu' (the world gloo group)"
         )
-    return value
+    if value == "device" and dist_backend == "nccl" and pp > 1:
+        raise KeepaliveConfigError(
+            f"{ENV_TRANSPORT}=device with --pipeline-parallel-size={pp} on NCCL/RCCL is not "
+            "supported: an NCCL broadcast travels a ring, so rank 0's next step could wait "
+            "behind a busy later stage. Unset it (the gloo CPU group is the default on GPUs) "
+            "or set it to 'cpu'."
+        )
+    return value, ENV_TRANSPORT
+
+
+_TRUE, _FALSE = ("1", "true"), ("", "0", "false")
+
+
+def async_scheduling_opt_in(env: Mapping[str, str] | None = None) -> bool:
+    """``VLLM_KEEPALIVE_ASYNC_SCHEDULING``: ``1`` (or ``true``) opts in to vLLM's async
+    scheduling; ``0``, ``false`` or unset leaves it off. Anything else raises naming it.
+    vLLM asks the executor class at config time (``VllmConfig.__post_init__``), possibly in
+    its front-end process, so this is read there, as vLLM asks."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_ASYNC_SCHEDULING, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise KeepaliveConfigError(
+        f"{ENV_ASYNC_SCHEDULING}={raw!r} is not 0 or 1: set it to 1 to opt in to async "
+        "scheduling (not yet verified on GPUs), or unset it"
+    )
+
+
+def nccl_error_handling(env: Mapping[str, str] | None = None) -> tuple[int | None, str]:
+    """``TORCH_NCCL_ASYNC_ERROR_HANDLING`` as torch will read it: ``(mode, "set by you")``,
+    or ``(None, "unset")``. Anything but 0-3 raises naming it."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_NCCL_ERROR_HANDLING, "")
+    if raw.strip() == "":
+        return None, "unset"
+    try:
+        mode = int(raw)
+    except ValueError:
+        mode = -1
+    if mode not in NCCL_ERROR_HANDLING_MODES:
+        raise KeepaliveConfigError(
+            f"{ENV_NCCL_ERROR_HANDLING}={raw!r} is not one of torch's modes 0-3: unset it "
+            f"(the executor then sets {KEEPALIVE_NCCL_ERROR_HANDLING}: abort the "
+            "communicators, keep the process) or see docs/design.md"
+        )
+    return mode, "set by you"
 
 
 def _parse_bytes(env: Mapping[str, str], name: str, default: int) -> int:
@@ -284,7 +384,8 @@ def settings_from_vllm_config(
         from vllm.platforms import current_platform
 
         dist_backend = current_platform.dist_backend
-    transport = _parse_transport(env)
+    pp = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
+    transport, transport_source = _parse_transport(env, dist_backend, pp)
     timeout, timeout_source = group_timeout_s(
         transport, vllm_config.parallel_config, dist_backend, env
     )
@@ -300,12 +401,27 @@ def settings_from_vllm_config(
         interval = default_interval(timeout)
     validate_interval(interval, timeout, source, timeout_source)
     execute_timeout_s = _positive_seconds(env, ENV_EXECUTE_TIMEOUT, VLLM_EXECUTE_TIMEOUT_S)
+    opt_in = async_scheduling_opt_in(env)
+    running_async = bool(getattr(getattr(vllm_config, "scheduler_config", None),
+                                 "async_scheduling", False))
+    if running_async and not opt_in:
+        raise KeepaliveConfigError(
+            f"vLLM runs with async scheduling but {ENV_ASYNC_SCHEDULING} is not 1 in the "
+            f"engine's process: set {ENV_ASYNC_SCHEDULING}=1 where the engine runs too, or "
+            "pass --no-async-scheduling"
+        )
+    nccl_mode, nccl_source = nccl_error_handling(env)
+    if dist_backend == "nccl" and nccl_mode is None:
+        nccl_mode, nccl_source = KEEPALIVE_NCCL_ERROR_HANDLING, "set by keepalive"
+    elif dist_backend != "nccl":
+        nccl_mode, nccl_source = None, ""
     return KeepaliveSettings(
         channel=ChannelSpec(
             transport=transport,
             inline_bytes=_parse_bytes(env, ENV_INLINE_BYTES, DEFAULT_INLINE_BYTES),
             max_payload_bytes=_parse_bytes(env, ENV_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_BYTES),
             output_timeout_s=execute_timeout_s,
+            group_timeout_s=timeout,
         ),
         interval_s=interval,
         timeout_s=timeout,
@@ -317,6 +433,11 @@ def settings_from_vllm_config(
             env, ENV_LIVENESS_TIMEOUT, default_liveness_timeout_s(env)
         ),
         execute_timeout_s=execute_timeout_s,
+        transport_source=transport_source,
+        async_scheduling=running_async,
+        async_opt_in=opt_in,
+        nccl_error_handling=nccl_mode,
+        nccl_error_handling_source=nccl_source,
     )
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from keepalive_executor.log import get_logger
 
-__all__ = ["DriverRank", "resolve_output", "share_binding"]
+__all__ = ["DriverRank", "is_async_output", "resolve_output", "share_binding"]
 
 logger = get_logger(__name__)
 
@@ -54,12 +54,21 @@ def share_binding(cpus: set[int] | None) -> None:
         logger.debug("could not bind the engine thread to %s: %s", sorted(cpus), e)
 
 
+def is_async_output(value: Any) -> bool:
+    """Whether ``value`` is vLLM's ``AsyncModelRunnerOutput`` or a subclass of it (the GPU
+    runner's is ``AsyncGPUModelRunnerOutput``): an output still being copied to the host."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    return isinstance(value, AsyncModelRunnerOutput)
+
+
 def resolve_output(value: Any) -> Any:
-    """Wait for an asynchronous model output (async scheduling), on the driver's thread."""
-    get_output = getattr(value, "get_output", None)
-    if get_output is not None and type(value).__name__ == "AsyncModelRunnerOutput":
-        return get_output()
-    return value
+    """Wait for an asynchronous model output (async scheduling) and return it; any other
+    value as it is (the same object). A plain tuple holding one (the fused step's pair of
+    outputs) is resolved element by element."""
+    if type(value) is tuple and any(is_async_output(v) for v in value):
+        return tuple(resolve_output(v) for v in value)
+    return value.get_output() if is_async_output(value) else value
 
 
 class DriverRank:
@@ -100,12 +109,14 @@ class DriverRank:
                 self._pending.discard(future)
 
     def invoke(self, method: str | Callable[..., Any], args: tuple = (),
-               kwargs: dict | None = None) -> Any:
+               kwargs: dict | None = None, *, resolve: bool = True) -> Any:
         """Run a worker method on rank 0's worker *in the calling thread*: for work that is
-        already on the driver's thread (a step, see steps.py)."""
+        already on the driver's thread (a step, see steps.py). ``resolve``: wait for an async
+        output here; False leaves it to whoever asks for it (deferred.py)."""
         from vllm.v1.serial_utils import run_method
 
-        return resolve_output(run_method(self.worker, method, args, kwargs or {}))
+        out = run_method(self.worker, method, args, kwargs or {})
+        return resolve_output(out) if resolve else out
 
     def abandon(self, error: BaseException) -> bool:
         """Fail the call waiting on the driver's thread and every later one with ``error``."""

@@ -18,6 +18,8 @@ The pieces, and who owns which thread::
       |- Pacer (pacer.py) ------- thread keepalive-pacer: keepalives while idle
       |- StepRunner (steps.py) -- one step: owner lock, lifecycle entry, pacer token,
       |                           broadcast, rank 0's part, reply gather
+      |- DeferredOutputs -------- async scheduling: rank 0's outputs, resolved when the
+      |  (deferred.py)            engine asks, in order, on rank 0's thread
       `- Lifecycle + StepWatch -- running/failed/stopped; thread keepalive-step-watch:
          (lifecycle.py)           step timeouts and giving up a step a failure made endless
 
@@ -40,15 +42,17 @@ from typing import Any
 
 from vllm.v1.executor.abstract import Executor, FailureCallback
 
-from keepalive_executor import torchrun
+from keepalive_executor import nccl, torchrun
 from keepalive_executor.channel import open_world_channel
 from keepalive_executor.config import (
     KeepaliveSettings,
+    async_scheduling_opt_in,
     check_features,
     check_parallel_layout,
     settings_from_vllm_config,
 )
 from keepalive_executor.connectors import merge as merge_connector_outputs
+from keepalive_executor.deferred import DeferredOutputs
 from keepalive_executor.driver import DriverRank
 from keepalive_executor.lifecycle import (
     ExecutorFailedError,
@@ -153,9 +157,12 @@ class KeepaliveExecutor(Executor):
         self._channel: Any = None
         self._pacer: Pacer | None = None
         self._steps: StepRunner | None = None
+        self._deferred: DeferredOutputs | None = None
         self._watch: StepWatch | None = None
         self._outputs: OutputReceiver | None = None
         self._pp_sample: Future | None = None
+        #: NCCL/RCCL: aborts this process's groups when a step is given up (nccl.py)
+        self._abort_groups: Callable[[], object] | None = None
         #: every other rank's exit code, once shutdown reaped them (spawned ranks only)
         self.worker_exit_codes: dict[int, int | None] = {}
         self.world_size = self.parallel_config.world_size
@@ -168,6 +175,11 @@ class KeepaliveExecutor(Executor):
         self._watch.start()
         driver = DriverRank()
         self._driver = driver
+        if settings.nccl_error_handling is not None:
+            # before any NCCL group of this process, and before the workers inherit the
+            # environment: a failed collective is then an error here, not a SIGABRT
+            nccl.apply_error_handling("nccl")
+            self._abort_groups = nccl.abort_groups
         ranks.start(self.vllm_config, settings)
         late_watch = os.environ.get(_TEST_LATE_WORKER_WATCH_ENV) == "1"
         if late_watch:
@@ -224,6 +236,7 @@ class KeepaliveExecutor(Executor):
             gather=gather, fail=self._fail, execute_timeout_s=settings.execute_timeout_s,
             error_window_s=settings.failure_grace_s, merge=self._merge_connector_outputs,
         )
+        self._deferred = DeferredOutputs(self._steps.run_local)
         if self._watch is None:
             self._watch = self._make_watch(settings)
         if not threads:
@@ -291,6 +304,10 @@ class KeepaliveExecutor(Executor):
                f"{self.settings.failure_grace_s:g}s later (its collectives wait for the "
                "failed rank and cannot finish)")
         self._driver.abandon(ExecutorFailedError(f"keepalive executor failed: {why}"))
+        if self._abort_groups is not None:
+            # the given-up step's kernels would spin on the GPU until the process exits,
+            # and torch's watchdog would time out on them: end them (ncclCommAbort)
+            self._abort_groups()
         logger.critical(
             "keepalive executor: %s. The pending call fails, and every later call; rank 0's "
             "thread 'keepalive-driver' stays blocked in it until this process exits. The "
@@ -339,8 +356,10 @@ class KeepaliveExecutor(Executor):
         self, scheduler_output: Any, non_block: bool = False
     ) -> Any:
         """One model step on every rank; rank 0's output. Without structured-output
-        requests it is the fused step (one broadcast; see steps.py)."""
-        assert self._steps is not None, "keepalive executor is not started"
+        requests it is the fused step (one broadcast; see steps.py). Under async scheduling
+        the output resolves when first asked for (deferred.py)."""
+        assert self._steps is not None and self._deferred is not None, \
+            "keepalive executor is not started"
         fused = not getattr(scheduler_output, "has_structured_output_requests", True)
         if self._pp:
             return self._pipeline_execute(scheduler_output, fused, non_block)
@@ -348,13 +367,14 @@ class KeepaliveExecutor(Executor):
             call = partial(self._steps.execute_fused, scheduler_output, self._step_replies())
         else:
             call = partial(self._model_step, "execute_model", scheduler_output)
-        return _as_future(call) if non_block else call()
+        return self._deferred.call("execute_model", call, non_block)
 
     def sample_tokens(  # type: ignore[override]
         self, grammar_output: Any, non_block: bool = False
     ) -> Any:
         """Sampling on every rank (the others already sampled after a fused step)."""
-        assert self._steps is not None, "keepalive executor is not started"
+        assert self._steps is not None and self._deferred is not None, \
+            "keepalive executor is not started"
         if self._pp:
             future, self._pp_sample = self._pp_sample, None
             if future is None or grammar_output is not None:
@@ -365,7 +385,7 @@ class KeepaliveExecutor(Executor):
             call = partial(self._steps.take_sampled, grammar_output)
         else:
             call = partial(self._model_step, "sample_tokens", grammar_output)
-        return _as_future(call) if non_block else call()
+        return self._deferred.call("sample_tokens", call, non_block)
 
     # -- pipeline parallelism: results come from the last stage (outputs.py) --------
     def _pipeline_step(self, req: RpcRequest, local_method: Any = None) -> Future:
@@ -421,8 +441,10 @@ class KeepaliveExecutor(Executor):
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:
-        """False: not verified (vLLM forces async scheduling off on CPU)."""
-        return False
+        """Only with ``VLLM_KEEPALIVE_ASYNC_SCHEDULING=1`` (not yet verified on GPUs; vLLM
+        turns async scheduling off on CPU anyway). vLLM asks at config time, possibly in its
+        front end: a bad value fails there, naming the variable."""
+        return async_scheduling_opt_in()
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:

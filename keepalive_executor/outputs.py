@@ -21,10 +21,16 @@ torch.distributed world, and only for the steps that need it (``Replies.OUTPUT``
   executor.
 * Rank 0 posts a receive only while a step is expected, so an idle engine has no pending
   collective on the group to time out.
-* Steps overlap: the engine keeps up to P batches in flight (``max_concurrent_batches``), the
-  channel's broadcasts do not wait for a busy last stage (see :mod:`.channel`), and each
-  step's future resolves when its output arrives. Every step is on the pacer from its broadcast
-  until its output arrived, so no keepalive is sent while any is in flight.
+* Steps overlap: the engine keeps up to P batches in flight (``max_concurrent_batches``;
+  P + 1 with async scheduling on vLLM's V2 model runner), the channel's broadcasts do not
+  wait for a busy last stage (see :mod:`.channel`), and each step's future resolves when its
+  output arrives. Every step is on the pacer from its broadcast until its output arrived, so
+  no keepalive is sent while any is in flight.
+* Async scheduling: the output rank's output may still be on its way to the host. The link
+  resolves it before it sends (only the output rank ever does: the other ranks drop theirs,
+  as vLLM's mp does). Under async scheduling the output rank resolves and sends on a thread
+  of its own, ``keepalive-output-send`` (:class:`OutputSender`, mp's ``WorkerAsyncOutputCopy``),
+  so its receive loop takes the next step while its GPU finishes this one.
 """
 
 from __future__ import annotations
@@ -42,11 +48,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from keepalive_executor.driver import resolve_output
 from keepalive_executor.lifecycle import ExecutorFailedError
 from keepalive_executor.log import get_logger
 from keepalive_executor.rpc import RpcReply, WorkerRpcError, serialize
 
-__all__ = ["output_rank", "OutputLink", "OutputReceiver", "open_output_link"]
+__all__ = ["output_rank", "OutputLink", "OutputReceiver", "OutputSender", "open_output_link",
+           "settle"]
 
 logger = get_logger(__name__)
 _LENGTH_TAG, _DATA_TAG = 1, 2
@@ -70,12 +78,16 @@ class OutputLink:
         self.timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
 
     def send(self, reply: RpcReply) -> None:
-        """The output rank: one reply (blocks until rank 0 receives it)."""
+        """The output rank: one reply, its async output resolved first (blocks until rank 0
+        receives it)."""
         try:
+            if reply.ok:
+                reply = RpcReply(rank=reply.rank, ok=True, value=resolve_output(reply.value))
             data = serialize(reply)
         except Exception as e:  # noqa: BLE001 - an unsendable output is the step's error
             data = pickle.dumps(RpcReply(rank=reply.rank, ok=False,
-                                         error=f"step output cannot be sent: {e}"))
+                                         error=f"step output cannot be sent: "
+                                               f"{type(e).__name__}: {e}"))
         length = torch.tensor([len(data)], dtype=torch.int64)
         dist.send(length, dst=self.dst, group=self.group, tag=_LENGTH_TAG)
         dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=self.dst,
@@ -94,6 +106,65 @@ class OutputLink:
             work.wait()
         else:
             work.wait(self.timeout)
+
+    def close(self, timeout_s: float = 0.0) -> None:
+        """Nothing to flush: every send completed before it returned."""
+
+
+class OutputSender:
+    """The output rank under async scheduling: resolves and sends each step's output on the
+    thread ``keepalive-output-send``, in step order, so the receive loop does not wait for
+    the GPU's copy of this step before it takes the next (vLLM's mp resolves on its
+    ``WorkerAsyncOutputCopy`` thread the same way).
+
+    The receive loop owns it: :meth:`send` enqueues (and raises the sender's error, if a
+    send failed: rank 0 is gone or gave up, so this rank stops), :meth:`close` sends what is
+    queued and ends the thread. ``bind_thread`` runs first in the thread (sets the device:
+    CUDA calls on a thread without it would create a context on device 0).
+    """
+
+    def __init__(self, link: OutputLink, bind_thread: Callable[[], None] = lambda: None,
+                 ) -> None:
+        self._link = link
+        self._bind_thread = bind_thread
+        self._queue: collections.deque[RpcReply | None] = collections.deque()
+        self._cond = threading.Condition()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="keepalive-output-send",
+                                        daemon=True)
+        self._thread.start()
+
+    def send(self, reply: RpcReply) -> None:
+        """Queue one reply (its output resolved and sent by the thread, in order)."""
+        with self._cond:
+            if self.error is not None:
+                raise self.error
+            self._queue.append(reply)
+            self._cond.notify_all()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued (at most ``timeout_s``), then end the thread."""
+        with self._cond:
+            self._queue.append(None)
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        self._bind_thread()
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                reply = self._queue.popleft()
+            if reply is None:
+                return
+            try:
+                self._link.send(reply)
+            except BaseException as e:  # noqa: BLE001 - the receive loop raises it
+                logger.error("keepalive output rank: sending a step's output failed: %s", e)
+                with self._cond:
+                    self.error = e
+                return
 
 
 def open_output_link(parallel_config: Any, timeout_s: float) -> OutputLink | None:
@@ -164,7 +235,7 @@ class OutputReceiver:
             self._expected.clear()
             self._cond.notify_all()
         for e in pending:
-            _settle(e.future, error=error)
+            settle(e.future, error=error)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` until every expected output has arrived; the thread
@@ -211,7 +282,7 @@ class OutputReceiver:
                 expected = self._expected.popleft()
                 self._cond.notify_all()  # drain() waits for the queue to empty
             if reply.ok:
-                _settle(expected.future, value=reply.value)
+                settle(expected.future, value=reply.value)
                 continue
             # The output rank failed this step, which every other stage ran (or raised in):
             # the pipeline is out of step, and a later reply would be paired with the wrong
@@ -221,7 +292,7 @@ class OutputReceiver:
                       f"pipeline stage): {reply.error}; the pipeline is out of step")
             self._on_lost(reason)
             self._fail_rest(reason)
-            _settle(expected.future, error=WorkerRpcError(expected.name, reply))
+            settle(expected.future, error=WorkerRpcError(expected.name, reply))
             return
 
     def _fail_rest(self, reason: str) -> None:
@@ -233,7 +304,9 @@ class OutputReceiver:
             self.fail_all(ExecutorFailedError(f"keepalive executor failed: {reason}"))
 
 
-def _settle(future: Future, value: Any = None, error: BaseException | None = None) -> None:
+def settle(future: Future, value: Any = None, error: BaseException | None = None) -> None:
+    """Settle ``future`` with ``value`` or ``error`` unless it is settled already (a give-up,
+    a failure and the normal path may race)."""
     try:
         if error is not None:
             future.set_exception(error)

@@ -38,6 +38,12 @@ calls ``sample_tokens`` (an exception between the two, which vLLM's fault-tolera
 survive) leaves the ranks in step and the executor usable: the next step discards the
 unclaimed output, with a warning.
 
+Async scheduling. A model step's output may still be on its way to the host when rank 0's
+part returns; the step ends there, and the engine's future resolves the output later
+(:mod:`keepalive_executor.deferred`) in a *local step* (:meth:`StepRunner.run_local`): the
+owner lock and a lifecycle entry (the step timeout, the give-up), rank 0's thread, no
+broadcast and so no pacer token.
+
 Failure rules. A call that cannot be encoded or is too large fails before anything is sent:
 the caller gets the error and the executor stays usable. Once the broadcast is out, the other
 ranks are running the step; until every rank is known to be done with it (``settled``), any
@@ -66,7 +72,6 @@ from typing import Any, Protocol
 
 from keepalive_executor.channel import ChannelError, PayloadTooLargeError
 from keepalive_executor.connectors import StepReply
-from keepalive_executor.driver import resolve_output
 from keepalive_executor.lifecycle import ExecutorFailedError, Lifecycle
 from keepalive_executor.log import get_logger
 from keepalive_executor.pacer import Pacer, PacerError
@@ -95,11 +100,13 @@ def execute_and_sample(worker: Any, scheduler_output: Any) -> Any:
 
 def execute_then_sample(worker: Any, scheduler_output: Any) -> tuple[Any, Any]:
     """Rank 0's half of a fused step, on the driver's thread: ``(execute_model's output,
-    sample_tokens(None)'s output if execute_model returned None)``."""
-    out = resolve_output(worker.execute_model(scheduler_output))
+    sample_tokens(None)'s output if execute_model returned None)``. Under async scheduling
+    an output may still be on its way to the host: whoever needs it resolves it
+    (deferred.py)."""
+    out = worker.execute_model(scheduler_output)
     if out is not None:
         return out, None
-    return None, resolve_output(worker.sample_tokens(None))
+    return None, worker.sample_tokens(None)
 
 
 class Channel(Protocol):
@@ -113,7 +120,8 @@ class Driver(Protocol):
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
 
-    def invoke(self, method: Any, args: tuple = (), kwargs: dict | None = None) -> Any: ...
+    def invoke(self, method: Any, args: tuple = (), kwargs: dict | None = None, *,
+               resolve: bool = True) -> Any: ...
 
 
 Gather = Callable[[RpcReply, "float | None"], list[RpcReply]]
@@ -268,7 +276,11 @@ class StepRunner:
 
     def _rank0_part(self, step: _Step, method: Any, req: RpcRequest) -> Any:
         try:
-            return self._driver.invoke(method, req.args, req.kwargs)
+            # A connector's outputs are merged from resolved outputs; a model step's output
+            # is resolved when the engine asks for it (deferred.py); a pipeline stage's is
+            # not the step's output.
+            return self._driver.invoke(method, req.args, req.kwargs,
+                                       resolve=req.replies is Replies.STEP)
         except ExecutorFailedError:
             raise
         except Exception as e:
@@ -470,6 +482,18 @@ class StepRunner:
         outcome = self._call(req, timeout=None, local_method=local_method, model_step=True,
                              expect=expect)
         return outcome.value
+
+    def run_local(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Rank 0 alone, nothing broadcast: the wait for a deferred output (deferred.py).
+        On the driver's thread like a step, and watched like one: the step timeout, and the
+        give-up after a failure elsewhere (a peer that died inside the step's collectives
+        leaves the GPU copy waiting forever). No pacer token: nothing collective runs."""
+        with self.owner:
+            self._life.enter(name, self._execute_timeout_s, EXECUTE_TIMEOUT_SOURCE)
+            try:
+                return self._driver.run(fn)
+            finally:
+                self._life.exit()
 
     def send_shutdown(self, channel_shutdown: Callable[[], Any], timeout_s: float) -> bool:
         """Broadcast SHUTDOWN once no step holds the channel; bounded by ``timeout_s``."""

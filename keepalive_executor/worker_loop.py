@@ -28,10 +28,11 @@ import os
 import signal
 import threading
 import traceback
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
-from keepalive_executor import exit_codes
+from keepalive_executor import exit_codes, nccl
 from keepalive_executor.channel import (
     BroadcastChannel,
     ChannelError,
@@ -40,8 +41,9 @@ from keepalive_executor.channel import (
     open_world_channel,
 )
 from keepalive_executor.connectors import step_reply
+from keepalive_executor.driver import resolve_output
 from keepalive_executor.log import get_logger
-from keepalive_executor.outputs import open_output_link
+from keepalive_executor.outputs import OutputSender, open_output_link
 from keepalive_executor.rpc import (
     Replies,
     RequestDecodeError,
@@ -70,14 +72,13 @@ class WorkerStepError(RuntimeError):
 
 
 def run_request(worker: Any, req: RpcRequest) -> Any:
-    """Run one request on a vLLM worker (wrapper) and resolve async outputs."""
-    from vllm.v1.outputs import AsyncModelRunnerOutput
+    """Run one request on a vLLM worker (wrapper). An async output (async scheduling) is
+    returned as it is: it is resolved only where it is returned (see :func:`_run_one` and
+    the output link), never on a rank that drops it, as vLLM's mp does on its non-output
+    ranks."""
     from vllm.v1.serial_utils import run_method
 
-    out = run_method(worker, req.method, req.args, req.kwargs or {})
-    if isinstance(out, AsyncModelRunnerOutput):
-        out = out.get_output()
-    return out
+    return run_method(worker, req.method, req.args, req.kwargs or {})
 
 
 def receive_loop(
@@ -131,7 +132,8 @@ def receive_loop(
 
 
 def _run_output_step(worker: Any, req: RpcRequest, rank: int, run: Any, output: Any) -> None:
-    """A pipeline step: every rank runs it; the output rank sends its result to rank 0."""
+    """A pipeline step: every rank runs it; the output rank sends its result to rank 0 (the
+    link resolves an async output first: outputs.py); the other ranks drop theirs."""
     try:
         value = run(worker, req)
     except Exception as e:
@@ -146,7 +148,10 @@ def _run_output_step(worker: Any, req: RpcRequest, rank: int, run: Any, output: 
 
 def _run_one(worker: Any, req: RpcRequest, rank: int, run: Any) -> RpcReply:
     try:
-        return RpcReply(rank=rank, ok=True, value=run(worker, req))
+        value = run(worker, req)
+        if req.replies is not Replies.DRIVER:  # returned: resolved; dropped: never
+            value = resolve_output(value)
+        return RpcReply(rank=rank, ok=True, value=value)
     except Exception as e:  # noqa: BLE001 - reported to the driver or fatal
         logger.exception("rank %d: %s raised", rank, req.name)
         if req.replies is not Replies.ALL:
@@ -235,8 +240,8 @@ def run_worker(
     ``on_constructed()`` runs once the worker exists (imports done), just before it joins
     the process groups; ``on_ready()`` once it has joined them and built its channel.
     """
-    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
     from vllm.logger import configure_logging_if_needed
+    from vllm.platforms import current_platform
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
     # vLLM configures logging per process from the config (level, format, file).
@@ -244,6 +249,7 @@ def run_worker(
     world_size = vllm_config.parallel_config.world_size
     code = exit_codes.FAILED
     wrapper = None
+    on_nccl = False
     try:
         from vllm.v1.executor.vllm_net_devices import set_worker_net_device
 
@@ -261,12 +267,18 @@ def run_worker(
         wrapper.init_worker(all_kwargs)
         if on_constructed is not None:
             on_constructed()
+        # before this process's first NCCL group (init_device creates them)
+        on_nccl = nccl.apply_error_handling(current_platform.dist_backend) is not None
         wrapper.init_device()
         channel, reply_group = open_world_channel(spec)
         output = open_output_link(vllm_config.parallel_config, spec.output_timeout_s)
+        if output is not None and vllm_config.scheduler_config.async_scheduling:
+            output = OutputSender(output, bind_thread=partial(_bind_device, wrapper))
         on_ready()
         receive_loop(wrapper, channel, reply_group, rank=rank, world_size=world_size,
                      output=output)
+        if output is not None:
+            output.close()
         code = exit_codes.OK
     except ChannelError as e:
         if stop_requested.is_set():
@@ -282,15 +294,37 @@ def run_worker(
         logger.exception("keepalive worker rank %d failed", rank)
     finally:
         stop_requested.set()
-        try:
-            if wrapper is not None and getattr(wrapper, "worker", None) is not None:
-                wrapper.shutdown()
-            if code == exit_codes.OK:
-                destroy_model_parallel()
-                destroy_distributed_environment()
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            logger.debug("cleanup after the receive loop failed", exc_info=True)
+        clean_up(wrapper, code, abort=nccl.abort_groups if on_nccl else None)
     return code
+
+
+def clean_up(wrapper: Any, code: int, abort: Any = None) -> None:
+    """After the receive loop: on an error exit first abort the NCCL groups (``abort``,
+    bounded), so that a kernel of the step that broke cannot hold the worker's shutdown on
+    the GPU; then vLLM's worker shutdown; after a clean exit also destroy the groups."""
+    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+    try:
+        if code != exit_codes.OK and abort is not None:
+            abort(wait_s=nccl.ABORT_WAIT_S)
+        if wrapper is not None and getattr(wrapper, "worker", None) is not None:
+            wrapper.shutdown()
+        if code == exit_codes.OK:
+            destroy_model_parallel()
+            destroy_distributed_environment()
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        logger.debug("cleanup after the receive loop failed", exc_info=True)
+
+
+def _bind_device(wrapper: Any) -> None:
+    """In a thread of a worker that makes CUDA calls: that worker's device (vLLM's mp does
+    the same in its output thread: without it the thread's first call creates a context on
+    device 0)."""
+    from vllm.platforms import current_platform
+
+    device = getattr(getattr(wrapper, "worker", None), "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        current_platform.set_device(device)
 
 
 def worker_main(

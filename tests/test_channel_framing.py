@@ -11,9 +11,13 @@ from keepalive_executor.channel import (
     DEFAULT_INLINE_BYTES,
     FORMAT_VERSION,
     HEADER_SIZE,
+    POLL_MAX_S,
+    POLL_MIN_S,
+    SPIN_S,
     ChannelProtocolError,
     FrameHeader,
     MessageKind,
+    PollSchedule,
     SequenceChecker,
     decode_header,
     encode_header,
@@ -132,3 +136,47 @@ def test_unpicklable_object_raises_serialization_error():
 def test_default_inline_capacity_is_the_documented_16_kib():
     """docs/design.md and docs/usage.md give 16384 bytes (one collective per decode step)."""
     assert DEFAULT_INLINE_BYTES == 16384
+
+
+# ---------------------------------------------------------------- the polling wait (pure)
+
+
+def _first_look_after(schedule: PollSchedule, arrival: float, look_cost: float) -> float:
+    """When a wait on ``schedule`` first looks at or after ``arrival`` (seconds into the
+    wait), each look costing ``look_cost`` on top of its sleep."""
+    t, previous = 0.0, None
+    while t < arrival:
+        previous = schedule.delay(t, previous)
+        t += previous + look_cost
+    return t
+
+
+@given(arrival=st.floats(0, 3.0), spin=st.sampled_from([0.0, 0.005, SPIN_S]),
+       after_step=st.booleans())
+def test_a_frame_is_seen_within_the_spin_cost_while_spinning_and_poll_max_after(
+        arrival, spin, after_step):
+    schedule = PollSchedule(spin_s=spin)
+    schedule.note(MessageKind.PAYLOAD if after_step else MessageKind.KEEPALIVE)
+    cost = 1e-6
+    late = _first_look_after(schedule, arrival, cost) - arrival
+    if after_step and arrival < spin:
+        assert late <= POLL_MIN_S + cost  # "spinning": looking every POLL_MIN_S
+    else:
+        assert late <= POLL_MAX_S + cost
+
+
+def test_the_spin_is_armed_by_a_step_only_and_the_backoff_doubles_to_its_cap():
+    schedule = PollSchedule(spin_s=0.01)
+    assert schedule.delay(0.0, None) == POLL_MIN_S  # a new channel: idle, backing off
+    assert schedule.delay(0.001, POLL_MIN_S) == 2 * POLL_MIN_S
+    schedule.note(MessageKind.PAYLOAD)  # a step: look every POLL_MIN_S for spin_s
+    assert schedule.delay(0.0, None) == POLL_MIN_S
+    assert schedule.delay(0.0099, POLL_MIN_S) == POLL_MIN_S
+    delays, previous = [], POLL_MIN_S
+    for _ in range(12):
+        previous = schedule.delay(0.02, previous)
+        delays.append(previous)
+    assert delays[0] == 2 * POLL_MIN_S and delays[-1] == POLL_MAX_S
+    assert all(b == min(2 * a, POLL_MAX_S) for a, b in zip(delays, delays[1:], strict=False))
+    schedule.note(MessageKind.KEEPALIVE)  # the engine is idle: no spin
+    assert schedule.delay(0.0001, POLL_MIN_S) == 2 * POLL_MIN_S

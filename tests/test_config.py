@@ -7,17 +7,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from keepalive_executor.config import (
+    ENV_ASYNC_SCHEDULING,
     ENV_EXECUTE_TIMEOUT,
     ENV_FAILURE_GRACE,
     ENV_INTERVAL,
     ENV_LIVENESS_TIMEOUT,
-    ENV_NCCL_HEARTBEAT,
+    ENV_NCCL_ERROR_HANDLING,
     ENV_STARTUP_TIMEOUT,
     ENV_TRANSPORT,
     KeepaliveConfigError,
+    async_scheduling_opt_in,
     check_features,
     check_parallel_layout,
     default_interval,
+    nccl_error_handling,
     settings_from_vllm_config,
 )
 
@@ -53,20 +56,83 @@ def test_cpu_transport_uses_the_cpu_timeout():
     assert (s.transport, s.timeout_s, s.interval_s) == ("cpu", 20.0, 5.0)
 
 
-def test_nccl_timeout_is_the_smaller_of_the_group_timeout_and_the_watchdog_heartbeat():
-    # torch's NCCL defaults: 600 s group timeout, 480 s heartbeat timeout
-    s = settings_from_vllm_config(cfg(), env={}, dist_backend="nccl")
-    assert (s.timeout_s, s.timeout_source) == (480.0, ENV_NCCL_HEARTBEAT)
-    s = settings_from_vllm_config(cfg(), env={ENV_NCCL_HEARTBEAT: "1000"}, dist_backend="nccl")
-    assert s.timeout_s == 600.0
-    s = settings_from_vllm_config(cfg(timeout=100), env={}, dist_backend="nccl")
-    assert (s.timeout_s, s.timeout_source) == (100.0, "--distributed-timeout-seconds")
-    with pytest.raises(KeepaliveConfigError, match="TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"):
-        settings_from_vllm_config(cfg(timeout=100), env={ENV_NCCL_HEARTBEAT: "20",
-                                                         ENV_INTERVAL: "15"},
+def test_nccl_interval_follows_the_group_timeout_not_the_watchdog_heartbeat():
+    """TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC bounds a stuck watchdog thread, not an idle
+    collective (ProcessGroupNCCL's watchdog bumps its heartbeat every loop): it must not
+    shorten the interval. The old rule took the smaller of the two (480 s here)."""
+    s = settings_from_vllm_config(cfg(), env={ENV_TRANSPORT: "device"}, dist_backend="nccl")
+    assert (s.timeout_s, s.timeout_source) == (600.0, "torch's nccl default")
+    assert s.interval_s == 30.0
+    s = settings_from_vllm_config(cfg(timeout=100), env={
+        ENV_TRANSPORT: "device", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "20", ENV_INTERVAL: "15"},
+        dist_backend="nccl")
+    assert (s.timeout_s, s.interval_s) == (100.0, 15.0)
+
+
+def test_gpu_default_transport_is_the_cpu_group_and_device_stays_selectable():
+    s = settings_from_vllm_config(cfg(timeout=100, cpu_timeout=60), env={},
                                   dist_backend="nccl")
-    # gloo has no heartbeat: the variable is ignored
-    assert settings({ENV_NCCL_HEARTBEAT: "1"}, timeout=8).timeout_s == 8.0
+    assert (s.transport, s.timeout_s) == ("cpu", 60.0)
+    assert "transport from default on NCCL/RCCL" in s.describe()
+    s = settings_from_vllm_config(cfg(timeout=100), env={ENV_TRANSPORT: "device"},
+                                  dist_backend="nccl")
+    assert (s.transport, s.timeout_s) == ("device", 100.0)
+    assert "transport from VLLM_KEEPALIVE_TRANSPORT" in s.describe()
+    # on CPU nothing changes: the device group (gloo) stays the default
+    assert settings({}).transport == "device"
+    assert "transport from" not in settings({}).describe()
+
+
+def test_pipeline_parallelism_on_nccl_refuses_the_device_transport_naming_the_fix():
+    with pytest.raises(KeepaliveConfigError,
+                       match=r"VLLM_KEEPALIVE_TRANSPORT=device with --pipeline-parallel-size=2 "
+                             r"on NCCL/RCCL is not supported.*set it to 'cpu'"):
+        settings_from_vllm_config(cfg(pp=2), env={ENV_TRANSPORT: "device"},
+                                  dist_backend="nccl")
+    assert settings_from_vllm_config(cfg(pp=2), env={}, dist_backend="nccl").transport == "cpu"
+    assert settings({ENV_TRANSPORT: "device"}, pp=2).transport == "device"  # gloo: shown safe
+
+
+def test_async_scheduling_opt_in_is_validated_and_named_in_the_start_up_line():
+    assert not settings({}).async_opt_in
+    assert "async scheduling=off (opt in with VLLM_KEEPALIVE_ASYNC_SCHEDULING=1)" in \
+        settings({}).describe()
+    for raw in ("1", "true", " TRUE "):
+        assert async_scheduling_opt_in({ENV_ASYNC_SCHEDULING: raw})
+    for raw in ("", "0", "false"):
+        assert not async_scheduling_opt_in({ENV_ASYNC_SCHEDULING: raw})
+    with pytest.raises(KeepaliveConfigError, match="VLLM_KEEPALIVE_ASYNC_SCHEDULING='yes' is "
+                                                   "not 0 or 1"):
+        settings({ENV_ASYNC_SCHEDULING: "yes"})
+    # opted in, but vLLM turned it off (the CPU platform always does)
+    s = settings({ENV_ASYNC_SCHEDULING: "1"})
+    assert s.async_opt_in and not s.async_scheduling
+    assert "async scheduling=off (vLLM turned it off" in s.describe()
+    # vLLM decided on (the front end had the opt-in) and this process agrees
+    on = cfg()
+    on.scheduler_config = SimpleNamespace(async_scheduling=True)
+    s = settings_from_vllm_config(on, env={ENV_ASYNC_SCHEDULING: "1"}, dist_backend="gloo")
+    assert s.async_scheduling and "async scheduling=on" in s.describe()
+    # ... and a process without the opt-in refuses to run what it did not opt in to
+    with pytest.raises(KeepaliveConfigError, match="set VLLM_KEEPALIVE_ASYNC_SCHEDULING=1 "
+                                                   "where the engine runs too"):
+        settings_from_vllm_config(on, env={}, dist_backend="gloo")
+
+
+def test_nccl_error_handling_is_set_to_abort_without_teardown_unless_the_user_chose():
+    s = settings_from_vllm_config(cfg(), env={}, dist_backend="nccl")
+    assert (s.nccl_error_handling, s.nccl_error_handling_source) == (2, "set by keepalive")
+    assert "NCCL errors: TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (set by keepalive" in s.describe()
+    s = settings_from_vllm_config(cfg(), env={ENV_NCCL_ERROR_HANDLING: "3"},
+                                  dist_backend="nccl")
+    assert (s.nccl_error_handling, s.nccl_error_handling_source) == (3, "set by you")
+    assert "end the process (SIGABRT)" in s.describe()
+    with pytest.raises(KeepaliveConfigError, match="TORCH_NCCL_ASYNC_ERROR_HANDLING='abort' "
+                                                   "is not one of torch's modes 0-3"):
+        settings_from_vllm_config(cfg(), env={ENV_NCCL_ERROR_HANDLING: "abort"},
+                                  dist_backend="nccl")
+    assert settings({}).nccl_error_handling is None  # gloo: not NCCL's business
+    assert nccl_error_handling({}) == (None, "unset")
 
 
 @pytest.mark.parametrize("name, default", [

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from keepalive_executor.channel import ChannelSpec, ChannelTransportError
 from keepalive_executor.config import KeepaliveSettings
@@ -52,6 +53,7 @@ class Trace:
         self.open_steps = 0  # per the model: broadcast sent, rank 0's part not done
         self.violations: list[str] = []
         self.lock = threading.Lock()
+        self.got: list[tuple[str, str]] = []  # (async output, thread) per get_output()
 
     def add(self, kind: str, what: str) -> None:
         with self.lock:
@@ -102,6 +104,28 @@ class FakeChannel:
         self.closed = True
 
 
+class FakeAsyncOutput(AsyncModelRunnerOutput):
+    """What vLLM's GPU model runner returns under async scheduling: ``get_output()`` waits
+    for the copy to the host. ``behaviour``: ``ok``; ``raises`` (the copy failed); ``late``
+    (blocks until ``release`` is set). Every call is recorded with its thread."""
+
+    def __init__(self, value: str, trace: Trace) -> None:
+        self.value = value
+        self.trace = trace
+        self.behaviour = "ok"
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def get_output(self):
+        self.trace.got.append((self.value, threading.current_thread().name))
+        self.entered.set()
+        if self.behaviour == "late":
+            self.release.wait(30)
+        if self.behaviour == "raises":
+            raise RuntimeError(f"copy of {self.value} failed")
+        return self.value
+
+
 class FakeWorker:
     """Rank 0's vLLM worker, run by the real DriverRank on its real thread. ``during_call``:
     callables run inside the next call; ``raise_next``: what the next call raises."""
@@ -112,6 +136,9 @@ class FakeWorker:
         self.trace = trace
         self.during_call: list = []
         self.raise_next: BaseException | None = None
+        self.async_outputs = False  # sample_tokens returns what the GPU runner does
+        self.made: list[FakeAsyncOutput] = []
+        self.during_sample = None  # called with each async output as it is made
 
     def _enter(self, name: str) -> None:
         for fn in self.during_call:
@@ -129,7 +156,14 @@ class FakeWorker:
 
     def sample_tokens(self, grammar):
         self.trace.add("local", "sample_tokens")
-        return f"sampled-{self.trace.step_id}"
+        value = f"sampled-{self.trace.step_id}"
+        if not self.async_outputs:
+            return value
+        out = FakeAsyncOutput(f"{value}#{len(self.made)}", self.trace)
+        self.made.append(out)
+        if self.during_sample is not None:
+            self.during_sample(out)
+        return out
 
     def _other(self, name: str):
         self._enter(name)
@@ -182,9 +216,10 @@ class UnitExecutor(KeepaliveExecutor):
         self._ranks = FakeRanks()
         self._assemble(f["settings"], f["channel"], f["driver"], f["gather"], clock=f["clock"],
                        threads=False)
+        self._abort_groups = f.get("abort")  # what a give-up runs on NCCL (nccl.py)
 
 
-def make_executor(trace: Trace, clock: Clock, gather):
+def make_executor(trace: Trace, clock: Clock, gather, abort=None):
     echo_rank.trace = trace
     cfg = SimpleNamespace(model_config=None, cache_config=None, lora_config=None,
                           load_config=None, parallel_config=SimpleNamespace(
@@ -194,7 +229,7 @@ def make_executor(trace: Trace, clock: Clock, gather):
                           observability_config=None)
     channel, driver = FakeChannel(trace), make_driver(trace)
     UnitExecutor.fakes = dict(
-        clock=clock, channel=channel, driver=driver, gather=gather,
+        clock=clock, channel=channel, driver=driver, gather=gather, abort=abort,
         settings=KeepaliveSettings(channel=ChannelSpec(), interval_s=INTERVAL, timeout_s=10,
                                    interval_source="test", timeout_source="test",
                                    failure_grace_s=GRACE, execute_timeout_s=STEP_TIMEOUT),
@@ -232,7 +267,11 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.gather_entered = threading.Event()
         self.gather_release = threading.Event()
         self.dead_rank: int | None = None
-        self.ex, self.channel, self.driver = make_executor(self.trace, self.clock, self._gather)
+        self.aborts: list[str] = []  # threads that aborted the (fake) NCCL groups
+        self.gave_up = False  # per the model: a step was given up
+        self.ex, self.channel, self.driver = make_executor(
+            self.trace, self.clock, self._gather,
+            abort=lambda: self.aborts.append(threading.current_thread().name))
         self.worker = self.driver.worker
         echo_rank.trace = self.trace
         self.pacer = self.ex._pacer
@@ -318,6 +357,16 @@ class ExecutorMachine(RuleBasedStateMachine):
         t.start()
         return t, outcome
 
+    def _given_up(self, t: threading.Thread, outcome: list) -> BaseException:
+        """The watch gives the step up: the engine thread is released with the failure."""
+        assert self.watch.check() is WatchAction.GIVE_UP
+        self.gave_up = True
+        t.join(10)
+        assert not t.is_alive(), "the give-up did not release the engine thread"
+        assert outcome[0][0] == "raised"
+        assert isinstance(outcome[0][1], ExecutorFailedError)
+        return outcome[0][1]
+
     # -- rules -----------------------------------------------------------------------
     @rule(non_block=st.booleans(), tick_inside=st.booleans(),
           rank0=st.sampled_from(RANK0_OUTCOMES))
@@ -362,19 +411,26 @@ class ExecutorMachine(RuleBasedStateMachine):
         assert self._track(self.ex.sample_tokens(None, non_block)) == pending
         assert self.broadcasts == before  # nothing on the channel
 
-    @rule(non_block=st.booleans())
-    def structured_output_step(self, non_block):
-        """Not fused: execute_model and sample_tokens are two broadcasts."""
+    def _structured_execute(self, non_block: bool) -> bool:
+        """execute_model of a batch with structured outputs: not fused (no local sampling).
+        False if the executor refused it (failed)."""
         self.pending = None
         if self.failed:
             self._expect_refused(lambda: self._track(self.ex.execute_model(so(True), non_block)))
-            return
+            return False
         self.trace.open_steps += 1
         self.broadcasts += 1
         assert self._track(self.ex.execute_model(so(True), non_block)) is None
         self.trace.open_steps -= 1
         assert self.trace.events[-2:] == [("broadcast", "execute_model"),
                                           ("local", "execute_model")]  # no local sampling
+        return True
+
+    @rule(non_block=st.booleans())
+    def structured_output_step(self, non_block):
+        """Not fused: execute_model and sample_tokens are two broadcasts."""
+        if not self._structured_execute(non_block):
+            return
         self.trace.open_steps += 1
         self.broadcasts += 1
         assert self._track(self.ex.sample_tokens("bitmask", non_block)).startswith("sampled")
@@ -482,12 +538,7 @@ class ExecutorMachine(RuleBasedStateMachine):
             self.clock.now += GRACE / 2
             assert self.watch.check() is WatchAction.NONE  # inside the grace
             self.clock.now += GRACE / 2
-            assert self.watch.check() is WatchAction.GIVE_UP
-            t.join(10)
-            assert not t.is_alive(), "the give-up did not release the engine thread"
-            assert outcome[0][0] == "raised"
-            assert isinstance(outcome[0][1], ExecutorFailedError)
-            assert "still inside execute_dummy_batch" in str(outcome[0][1])
+            assert "still inside execute_dummy_batch" in str(self._given_up(t, outcome))
         finally:
             release.set()
 
@@ -508,11 +559,7 @@ class ExecutorMachine(RuleBasedStateMachine):
             self._predict_failure(reason)
             assert self.ex._life.failure.stuck.name == "echo_rank"
             self.clock.now += GRACE
-            assert self.watch.check() is WatchAction.GIVE_UP
-            t.join(10)
-            assert not t.is_alive(), "the give-up did not release the engine thread"
-            assert isinstance(outcome[0][1], ExecutorFailedError)
-            assert reason in str(outcome[0][1])
+            assert reason in str(self._given_up(t, outcome))
         finally:
             self.gather_release.set()
 
@@ -610,6 +657,12 @@ class ExecutorMachine(RuleBasedStateMachine):
     def failure_callback_called_exactly_once_when_failed(self):
         assert self.callback_calls == (1 if self.failed else 0)
 
+    @invariant()
+    def the_groups_are_aborted_once_when_a_step_is_given_up(self):
+        """On NCCL a given-up step's kernels would spin on: the give-up aborts the groups,
+        once, and nothing else does."""
+        assert len(self.aborts) == (1 if self.gave_up else 0), self.aborts
+
     def teardown(self):
         self.gather_release.set()
         began = time.monotonic()
@@ -624,6 +677,210 @@ class ExecutorMachine(RuleBasedStateMachine):
 ExecutorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                              deadline=None)
 TestExecutorMachine = ExecutorMachine.TestCase
+
+
+DRIVER_THREAD = "keepalive-driver-under-test"
+
+
+class AsyncExecutorMachine(ExecutorMachine):
+    """The same machine with async scheduling's outputs: rank 0's ``sample_tokens`` returns
+    what vLLM's GPU runner does (an output still on its way to the host). The model adds the
+    outputs the engine has not asked for yet, oldest first, and predicts: nothing is
+    resolved before the engine asks; asking for one resolves it and every older one, in
+    order, on rank 0's thread; an output whose copy raises is that output's error (the
+    executor stays usable); a copy that never ends is watched like a step (timeout,
+    give-up); and no output holds the pacer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.worker.async_outputs = True
+        self.outstanding: list[tuple[Future, FakeAsyncOutput]] = []
+        self.expected_got: list[str] = []  # per the model: get_output() calls, in order
+
+    # -- the engine's calls that return an async output ----------------------------------
+    def _resolve_upto(self, i: int) -> list[tuple[Future, FakeAsyncOutput]]:
+        """The model: asking for outstanding[i] resolves outstanding[0..i], in order."""
+        batch, self.outstanding = self.outstanding[:i + 1], self.outstanding[i + 1:]
+        if not self.failed:
+            self.expected_got += [out.value for _, out in batch]
+        return batch
+
+    def _check_outcome(self, future: Future, out: FakeAsyncOutput) -> None:
+        assert future.done()
+        if self.failed and out.value not in self.expected_got:
+            assert isinstance(future.exception(), ExecutorFailedError)
+        elif out.behaviour == "raises":
+            with pytest.raises(RuntimeError, match=f"copy of {out.value} failed"):
+                future.result()
+        else:
+            assert future.result() == out.value
+
+    @rule(non_block=st.booleans(), behaviour=st.sampled_from(["ok", "raises"]))
+    @precondition(lambda self: self.pending is not None)
+    def sample_tokens_of_fused(self, non_block, behaviour):
+        self.pending = None
+        if self.failed:
+            self._expect_refused(lambda: self._track(self.ex.sample_tokens(None, non_block)))
+            return
+        before = self.broadcasts
+        out = self.worker.made[-1]
+        out.behaviour = behaviour
+        if non_block:
+            future = self.ex.sample_tokens(None, True)
+            assert not future.done(), "an async output was resolved before it was asked for"
+            self.outstanding.append((future, out))
+        else:
+            self._blocking(lambda: self.ex.sample_tokens(None, False))
+        assert self.broadcasts == before  # nothing on the channel
+
+    def _blocking(self, call) -> None:
+        """A blocking call's own output (the newest made when the call returns): resolved at
+        once, after every older one."""
+        older = self._resolve_upto(len(self.outstanding) - 1)
+        try:
+            result = call()
+        except RuntimeError as e:
+            result = e
+        out = self.worker.made[-1]
+        self.expected_got.append(out.value)
+        if out.behaviour == "raises":
+            assert isinstance(result, RuntimeError), result
+            assert f"copy of {out.value} failed" in str(result)
+        else:
+            assert result == out.value
+        for future, o in older:
+            self._check_outcome(future, o)
+
+    @rule(non_block=st.booleans(), behaviour=st.sampled_from(["ok", "raises"]))
+    def structured_output_step(self, non_block, behaviour):
+        """Not fused: two broadcasts; sample_tokens' output is async."""
+        if not self._structured_execute(non_block):
+            return
+        self.broadcasts += 1
+        self.worker.during_sample = lambda o: setattr(o, "behaviour", behaviour)
+        self.trace.open_steps += 1
+        try:
+            if non_block:
+                future = self.ex.sample_tokens("bitmask", True)
+                assert not future.done()
+                self.outstanding.append((future, self.worker.made[-1]))
+            else:
+                self._blocking(lambda: self.ex.sample_tokens("bitmask", False))
+        finally:
+            self.trace.open_steps -= 1
+            self.worker.during_sample = None
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.outstanding)
+    def the_engine_asks_for_an_output_maybe_out_of_order(self, data):
+        i = data.draw(st.integers(0, len(self.outstanding) - 1))
+        future, out = self.outstanding[i]
+        batch = self._resolve_upto(i)
+        if self.failed:
+            with pytest.raises(ExecutorFailedError):
+                future.result()
+        else:
+            try:
+                future.result()  # the engine asks; the outcome is checked below
+            except RuntimeError:
+                pass
+        for f, o in batch:
+            self._check_outcome(f, o)
+
+    def _late(self) -> tuple[Future, FakeAsyncOutput]:
+        """A fused step whose output's copy does not end until released."""
+        self.pending = None  # an unclaimed sampled output is discarded by this step
+        self.trace.step_id += 1
+        self.broadcasts += 1
+        assert self.ex.execute_model(so(), non_block=True).result() is None
+        future = self.ex.sample_tokens(None, non_block=True)
+        out = self.worker.made[-1]
+        out.behaviour = "late"
+        self.outstanding.append((future, out))
+        return future, out
+
+    @rule()
+    @precondition(lambda self: not self.failed)
+    def a_late_output_holds_only_the_engine_that_asked(self):
+        """While the engine waits for a late copy: no pacer token is held (a keepalive goes
+        out), and the answer comes once the copy ends."""
+        future, out = self._late()
+        batch = self._resolve_upto(len(self.outstanding) - 1)
+        t, outcome = self._in_engine_thread(future.result)
+        try:
+            assert out.entered.wait(10)
+            assert t.is_alive() and self.pacer.in_flight == 0
+            self.clock.now += 2 * INTERVAL
+            self.pacer.tick()
+            assert self.trace.events[-1] == ("keepalive", "")
+        finally:
+            out.release.set()
+        t.join(10)
+        assert outcome == [("ok", out.value)]
+        for f, o in batch:
+            self._check_outcome(f, o)
+
+    @rule()
+    @precondition(lambda self: not self.failed)
+    def a_rank_fails_while_the_engine_waits_for_a_late_output(self):
+        """The copy waits on a GPU whose step all-reduce lost a peer: the failure gives the
+        wait up after the grace, and the engine gets the failure."""
+        future, out = self._late()
+        batch = self._resolve_upto(len(self.outstanding) - 1)
+        t, outcome = self._in_engine_thread(future.result)
+        try:
+            assert out.entered.wait(10)
+            reason = "worker rank 1 (pid 1) died unexpectedly (exit code -9)"
+            self._fail_from_monitor(reason)
+            self._predict_failure(reason)
+            assert "output" in self.ex._life.failure.stuck.name
+            self.clock.now += GRACE
+            assert reason in str(self._given_up(t, outcome))
+        finally:
+            out.release.set()
+        for f, o in batch[:-1]:
+            self._check_outcome(f, o)
+
+    @rule()
+    @precondition(lambda self: not self.failed)
+    def a_copy_that_never_ends_times_out_then_is_given_up(self):
+        future, out = self._late()
+        batch = self._resolve_upto(len(self.outstanding) - 1)
+        t, outcome = self._in_engine_thread(future.result)
+        try:
+            assert out.entered.wait(10)
+            assert self.watch.check() is WatchAction.NONE
+            self.clock.now += STEP_TIMEOUT
+            assert self.watch.check() is WatchAction.TIMEOUT
+            self._predict_failure("did not return within 30s (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)")
+            self.clock.now += GRACE
+            self._given_up(t, outcome)
+        finally:
+            out.release.set()
+        for f, o in batch[:-1]:
+            self._check_outcome(f, o)
+
+    # -- invariants ------------------------------------------------------------------
+    @invariant()
+    def outputs_are_resolved_when_asked_in_order_on_rank0s_thread(self):
+        got = list(self.trace.got)
+        assert [v for v, _ in got] == self.expected_got
+        assert {t for _, t in got} <= {DRIVER_THREAD}, got
+
+    @invariant()
+    def outputs_nobody_asked_for_are_not_resolved(self):
+        for future, out in self.outstanding:
+            assert not future.done() or self.failed, out.value
+
+    def teardown(self):
+        for out in self.worker.made:
+            out.release.set()
+        super().teardown()
+
+
+AsyncExecutorMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30,
+                                                  deadline=None)
+TestAsyncExecutorMachine = AsyncExecutorMachine.TestCase
 
 
 def test_keepalives_are_sent_while_idle_between_steps():
@@ -716,6 +973,13 @@ class FakeOutputs:
             if not f.done():
                 f.set_exception(error)
 
+    @property
+    def pending(self) -> int:
+        return sum(not f.done() for _, f in self.expected)
+
+    def drain(self, timeout_s: float) -> bool:
+        return self.pending == 0
+
     def start(self) -> None:
         pass
 
@@ -757,4 +1021,26 @@ def test_pipeline_steps_overlap_resolve_in_order_and_hold_the_pacer_until_their_
     with pytest.raises(ExecutorFailedError, match="worker rank 1 died"):
         sample_c.result(timeout=10)
     assert exec_c.exception(timeout=10) is not None and pacer.in_flight == 0
+    ex.shutdown()
+
+
+def test_pipeline_keeps_p_plus_one_batches_in_flight_as_async_scheduling_asks():
+    """vLLM 0.32 with async scheduling and the V2 model runner keeps P + 1 batches in flight
+    under PP (VllmConfig.max_concurrent_batches): three at PP=2, each broadcast at once,
+    each holding the pacer until its output arrived, resolved in step order."""
+    trace, clock = Trace(), Clock()
+    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD)
+    ex._pp, ex._outputs = True, FakeOutputs()
+    pacer = ex._pacer
+    samples = []
+    for _ in range(3):
+        ex.execute_model(so(), non_block=True)
+        samples.append(ex.sample_tokens(None, non_block=True))
+    assert pacer.in_flight == 3 and not any(f.done() for f in samples)
+    assert [e for e in trace.events if e[0] == "broadcast"] == [
+        ("broadcast", "execute_then_sample")] * 3
+    for i, (_, future) in enumerate(ex._outputs.expected):
+        future.set_result((None, f"sampled-{i}"))
+        assert samples[i].result() == f"sampled-{i}" and pacer.in_flight == 2 - i
+        assert not any(f.done() for f in samples[i + 1:])
     ex.shutdown()

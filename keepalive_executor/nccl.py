@@ -1,0 +1,134 @@
+"""What the executor relies on from NCCL/RCCL and torch's ``ProcessGroupNCCL``, in one place.
+
+Nothing here ran on a GPU; every rule below is built to the sources named in docs/design.md
+("Failure semantics on NCCL/RCCL", "What an idle receiver holds") and tested with fakes.
+
+* **Error handling** (:func:`apply_error_handling`). torch reads
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` when it builds each NCCL process group; its default, 3,
+  makes the watchdog thread rethrow a timed-out or failed collective's error, which ends the
+  process with SIGABRT. The executor's failure model has every failure reported as an error
+  (rank 0: the executor fails, vLLM's error path ends the engine; ranks 1..N-1: exit code 1),
+  so each process sets ``2`` (abort the communicators, keep the process: the pending waits
+  raise) before its first NCCL group exists, unless the user chose a mode.
+* **Abort** (:func:`abort_groups`). A step given up after a failure leaves NCCL kernels
+  spinning on the GPU (an all-reduce that waits for a dead peer never ends on its own): the
+  process groups are aborted (``ncclCommAbort``) so that the kernels end, the GPU is released
+  and no watchdog later times out on them. Off the calling thread, bounded.
+* **The channel's own communicator** (:func:`channel_group`). On NCCL/RCCL with
+  ``VLLM_KEEPALIVE_TRANSPORT=device``, the channel broadcasts on a communicator of its own,
+  limited to ``CHANNEL_MAX_CTAS`` CTA (``ncclConfig_t.maxCTAs``, torch's
+  ``ProcessGroupNCCL.Options().config.max_ctas``): a pending receive is a resident kernel,
+  and it must leave the SMs to the model's own kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, MutableMapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from keepalive_executor.config import (
+    ENV_NCCL_ERROR_HANDLING,
+    KEEPALIVE_NCCL_ERROR_HANDLING,
+    NCCL_ERROR_HANDLING_MODES,
+    nccl_error_handling,
+)
+from keepalive_executor.log import get_logger
+
+__all__ = ["CHANNEL_MAX_CTAS", "apply_error_handling", "abort_groups", "channel_group",
+           "channel_group_options"]
+
+logger = get_logger(__name__)
+
+#: CTAs the channel's broadcast may occupy (one SM at most while it waits for a frame).
+CHANNEL_MAX_CTAS = 1
+#: how long a receiver leaving on an error waits for the abort before its own clean-up
+ABORT_WAIT_S = 10.0
+
+
+def apply_error_handling(dist_backend: str,
+                         env: MutableMapping[str, str] | None = None) -> int | None:
+    """Before this process's first NCCL group: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless
+    the user set it (a mode that ends the process is kept, with a warning). Returns the mode
+    in force on NCCL/RCCL, None elsewhere."""
+    env = os.environ if env is None else env
+    if dist_backend != "nccl":
+        return None
+    mode, _ = nccl_error_handling(env)
+    if mode is None:
+        env[ENV_NCCL_ERROR_HANDLING] = str(KEEPALIVE_NCCL_ERROR_HANDLING)
+        return KEEPALIVE_NCCL_ERROR_HANDLING
+    if mode in (1, 3):
+        logger.warning(
+            "%s=%d (%s): a timed-out or failed NCCL collective ends this process by SIGABRT "
+            "instead of the error the keepalive executor reports (docs/design.md). Unset it "
+            "to let the executor set %d.", ENV_NCCL_ERROR_HANDLING, mode,
+            NCCL_ERROR_HANDLING_MODES[mode], KEEPALIVE_NCCL_ERROR_HANDLING)
+    return mode
+
+
+def _abort_all() -> None:
+    """torch's own abort of every group of this process, inside one ncclGroupStart/End so
+    that the communicators' aborts cannot deadlock each other (pytorch#119797)."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._abort_process_group()
+
+
+def abort_groups(wait_s: float = 0.0, abort: Callable[[], None] = _abort_all,
+                 ) -> threading.Thread:
+    """Abort this process's NCCL groups on the thread ``keepalive-abort-groups`` (torch's
+    abort may block up to the group timeout); wait for it at most ``wait_s``. An abort that
+    raises is logged: this is already a failure path."""
+
+    def run() -> None:
+        try:
+            abort()
+            logger.warning("keepalive: NCCL process groups aborted (their kernels end)")
+        except Exception:  # noqa: BLE001 - best effort on a failure path
+            logger.exception("keepalive: aborting the NCCL process groups failed")
+
+    thread = threading.Thread(target=run, name="keepalive-abort-groups", daemon=True)
+    thread.start()
+    if wait_s > 0:
+        thread.join(wait_s)
+    return thread
+
+
+def channel_group_options(options_cls: Any = None) -> Any:
+    """``ProcessGroupNCCL.Options`` with ``config.max_ctas = CHANNEL_MAX_CTAS`` (and
+    ``min_ctas`` 1), or None if this torch/NCCL has no communicator config (NCCL < 2.17)."""
+    if options_cls is None:
+        from torch.distributed import ProcessGroupNCCL
+
+        options_cls = ProcessGroupNCCL.Options
+    options = options_cls()
+    config = getattr(options, "config", None)
+    if config is None or not hasattr(config, "max_ctas"):
+        return None
+    config.min_ctas = 1
+    config.max_ctas = CHANNEL_MAX_CTAS
+    return options
+
+
+def channel_group(ranks: Sequence[int], timeout_s: float | None,
+                  new_group: Callable[..., Any] | None = None,
+                  options_cls: Any = None) -> Any:
+    """The channel's own NCCL group over ``ranks`` (every rank of the world calls this, in
+    the same order, as ``new_group`` requires), with the CTA limit; None if the options are
+    not available (the caller then uses the world's device group, and says so)."""
+    options = channel_group_options(options_cls)
+    if options is None:
+        logger.warning("keepalive: this torch/NCCL has no communicator config (NCCL < 2.17): "
+                       "the channel shares the world's device group, without a CTA limit")
+        return None
+    if new_group is None:
+        import torch.distributed as dist
+
+        new_group = dist.new_group
+    kwargs: dict[str, Any] = {"ranks": list(ranks), "backend": "nccl", "pg_options": options}
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    return new_group(**kwargs)
