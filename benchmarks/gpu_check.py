@@ -20,8 +20,9 @@ and every client ended, the server's exit, and what was left running.
 where a CPU can make them, within two engine start-ups: keepalive at TP=2 on the device group
 (gloo here) answers like mp, survives three times a 5 s timeout idle, is benchmarked briefly,
 rests for the CPU of its ranks and loses rank 1 under load; then keepalive on the CPU group
-answers like mp. mp's answers come from a cached reference (tests/references/gpu_check/, the
-project's reference mechanism: tests/run_engine.py), run live when its key does not match.
+answers like mp. mp's answers come from the serving tests' cached reference (serve_tp2 in
+tests/reference_calls.py, the project's reference mechanism: tests/run_engine.py), run live
+when its key does not match.
 Async scheduling is skipped (vLLM turns it off on CPU for every backend), and so is GPU
 utilization.
 
@@ -32,8 +33,6 @@ to ``--out`` (default benchmarks/results/gpu_check/).
 from __future__ import annotations
 
 import argparse
-import hashlib
-import inspect
 import json
 import os
 import shutil
@@ -50,9 +49,8 @@ sys.path.insert(0, str(HERE))
 
 from bench_faults import kill_worker_of  # noqa: E402
 from bench_serve import idle_by_process, run_bench  # noqa: E402
-from run_engine import REFERENCE_DIR, Reference  # noqa: E402
+from serve_scripts import LOAD_ARGS, ask, texts  # noqa: E402
 from servers import Server  # noqa: E402
-from test_serve import ask, texts  # noqa: E402
 
 #: how long after a worker's SIGKILL the server must report unhealthy and every client end
 REACTION_BOUND_S = 30.0
@@ -157,24 +155,23 @@ def kill_under_load(server: Server, backend: str, checks: Checks, name: str) -> 
 
 # ---------------------------------------------------------------------------- mp's answers
 def mp_reference(model: str, out: Path, args: argparse.Namespace) -> tuple[dict, str]:
-    """mp's answers in CPU mode: cached in tests/references/gpu_check/ under a key of what
-    they depend on (run_engine.Reference), computed live when it does not match."""
-    call = {"name": "gpu_check_answers", "backend": "mp", "serve_args": list(args.serve_args),
-            "ask": hashlib.sha256(inspect.getsource(ask).encode()).hexdigest()[:16]}
-    ref = Reference.look_up("mp_answers", call, model, REFERENCE_DIR / "gpu_check")
-    if ref.cached is not None and not args.refresh_reference:
-        return ref.cached, ref.message()
-    server = start(model, out, "mp-reference", "mp", args)
-    try:
-        answers = texts(ask(server.client()))
-    finally:
-        server.stop()
-    ref.store(answers)
-    stored = json.loads(ref.path.read_text())
-    stored["generated_by"] = ("benchmarks/gpu_check.py --cpu: mp's answers, a real run of the "
-                              "call in 'scenario' (--refresh-reference reruns it)")
-    ref.path.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
-    return answers, ref.message() + " (stored)"
+    """mp's answers in CPU mode: the serving tests' cached reference ``serve_tp2``
+    (tests/reference_calls.py: ``vllm serve -tp 2`` under mp with serve_scripts.LOAD_ARGS, the
+    CPU mode's own flags), run live and rewritten when its key does not match this machine
+    (tests/run_engine.py). ``--refresh-reference`` reruns it."""
+    from reference_calls import REFERENCES
+    from run_engine import Reference, reference_call
+
+    if args.serve_args != LOAD_ARGS:
+        raise SystemExit(f"the CPU mode compares with mp's cached answers for {LOAD_ARGS}; "
+                         f"extra vllm serve flags {args.serve_args[len(LOAD_ARGS):]} would "
+                         "change them")
+    ref = Reference.look_up("serve_tp2", reference_call(REFERENCES["serve_tp2"], model,
+                                                        out / "mp-reference"), model)
+    if args.refresh_reference:
+        ref.cached = None
+    how = ref.message()
+    return ref.result(), how
 
 
 # ---------------------------------------------------------------------------- the two modes
@@ -312,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu:
         # CUDA graphs on, as users run (tests/servers.py starts eager servers)
         args.serve_args = ["--no-enforce-eager", "--dtype", "float16", *args.serve_args]
+    else:  # the flags of the serving tests, whose cached mp answers the CPU mode compares with
+        args.serve_args = [*LOAD_ARGS, *args.serve_args]
     if args.model is None:
         from tiny_model import build_tiny_model
 

@@ -1,8 +1,9 @@
 """``scripts/gpu_check.sh --cpu``: the GPU check's short gloo mode, run as CI runs it, so that
 the one command meant for a GPU machine cannot rot unseen. Two engine start-ups (keepalive
-on each transport); mp's answers come from the cached reference (tests/references/gpu_check/).
-The negative control of its idle check (the same idle without the pacer fails) is
-tests/test_serve.py's."""
+on each transport); mp's answers come from the cached reference serve_tp2
+(tests/reference_calls.py). The negative control of its idle check (the same idle without
+the pacer fails) is tests/test_serve.py's. Serial: it asserts a reaction time and starts its
+ranks with a 5 s collective timeout."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_the_gpu_checks_cpu_mode_runs_green_and_makes_every_check_it_promises(tmp_path):
     out = tmp_path / "gpu_check.json"
     popen = subprocess.Popen(
