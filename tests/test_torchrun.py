@@ -13,7 +13,7 @@ import pytest
 from netns import VethPair
 from procs import left_after
 from serve_scripts import LOAD_ARGS, ask, texts
-from servers import TorchrunServer, by_title
+from servers import TorchrunServer, by_title, failure_excerpt
 
 TIMEOUT = "5"  # --distributed-timeout-seconds; the keepalive interval is then 1.25 s
 SIGTERM_EXIT = 1  # torchrun's code when it is stopped by SIGTERM (SignalException)
@@ -207,8 +207,9 @@ def test_bad_launches_are_a_clear_error_on_every_rank(tiny_model, tmp_path):
             server.stop()
     for (codes, left, log), (_, message) in zip(outcomes, BAD_LAUNCHES, strict=True):
         assert codes[0] not in (None, 0), codes
-        assert message in log
-        assert "rank 1 not starting: rank 0 reported" in log  # the other rank says why, too
+        assert message in log, failure_excerpt(log)
+        # the other rank says why, too
+        assert "rank 1 not starting: rank 0 reported" in log, failure_excerpt(log)
         assert "Starting to load model" not in log  # refused before any weights load
         assert left == []
 

@@ -81,7 +81,7 @@ _COUNT_BYTES = 4
 NONCE_BYTES = 16
 #: How long rank 0 waits for the followers' nonces before posting a start-up error: it is
 #: already failing, so not the whole start-up timeout.
-ERROR_NONCE_WAIT_S = 10.0
+ERROR_NONCE_WAIT_S = 30.0
 _HOW_TO_SET = (
     f"set {ENV_SECRET} to the same random value on every node, e.g. "
     f"`export {ENV_SECRET}=$(python -c 'import secrets; print(secrets.token_hex(32))')`, "

@@ -122,8 +122,17 @@ def _lead(env: TorchrunEnv, argv: list[str]) -> int:
         try:
             code = _run_vllm_cli(["serve", *with_keepalive_backend(argv)])
         except BaseException as e:
+            # Say why first: the wait below can end in torchrun's SIGTERM (another rank
+            # failed first, e.g. one whose nonce came too late for this error), and what is
+            # printed after that is lost.
+            if isinstance(e, TorchrunError):
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            else:
+                logger.error("rank 0 failed to start: %s: %s", type(e).__name__, e)
             post_error(store, env, f"rank 0 failed to start: {type(e).__name__}: {e}", secret,
                        wait_s=ERROR_ACK_WAIT_S)
+            if isinstance(e, TorchrunError):
+                return exit_codes.USAGE
             raise
         if not store.check([env.key("bootstrap")]):
             post_error(store, env, f"rank 0 exited with code {code} before its engine started",
@@ -156,6 +165,18 @@ def _run_vllm_cli(args: list[str]) -> int:
 
 def _follow(env: TorchrunEnv) -> int:
     """Ranks 1..N-1: take the driver's configuration and follow its broadcasts."""
+    # This rank's nonce goes out before anything slow (vLLM's import takes many seconds on a
+    # busy machine): rank 0 signs it into the bootstrap, and when rank 0 is failing it waits
+    # for the nonces only ERROR_NONCE_WAIT_S; a nonce later than that makes the error stale
+    # to this rank, which then cannot say why rank 0 failed.
+    set_parent_death_signal(signal.SIGKILL)
+    try:
+        store = connect_store(env)
+        nonce = post_nonce(store, env)
+    except Exception as e:  # noqa: BLE001 - torchrun's store is unreachable: say so, exit
+        print(f"error: rank {env.rank} not starting: torchrun's store at {env.address}: "
+              f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return exit_codes.FAILED
     from vllm.config.logging import LoggingConfig
     from vllm.logger import configure_logging_if_needed
 
@@ -163,7 +184,6 @@ def _follow(env: TorchrunEnv) -> int:
 
     # vLLM's default logging until the driver's own logging configuration arrives.
     configure_logging_if_needed(LoggingConfig())
-    set_parent_death_signal(signal.SIGKILL)
     name_process(env.rank)
 
     stop_requested = threading.Event()
@@ -184,8 +204,7 @@ def _follow(env: TorchrunEnv) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         timeout_s = startup_timeout_s()
-        store = connect_store(env)
-        boot = _read_bootstrap(store, env, timeout_s)
+        boot = _read_bootstrap(store, env, timeout_s, nonce)
     except (TorchrunError, KeepaliveConfigError) as e:
         logger.error("rank %d not starting: %s", env.rank, e)
         return exit_codes.FAILED
@@ -234,11 +253,11 @@ def _follow(env: TorchrunEnv) -> int:
         heartbeat.stop()
 
 
-def _read_bootstrap(store: Any, env: TorchrunEnv, timeout_s: float) -> dict[str, Any]:
-    # First of all this rank's nonce: rank 0 signs the bootstrap only once it has every
+def _read_bootstrap(store: Any, env: TorchrunEnv, timeout_s: float,
+                    nonce: bytes) -> dict[str, Any]:
+    # NONCE is what this rank posted: rank 0 signs the bootstrap only once it has every
     # follower's, and this rank accepts only a bootstrap that holds its own (no replay of a
     # recording from an earlier launch).
-    nonce = post_nonce(store, env)
     # A one-node follower may start before rank 0 created the per-run secret file: wait for
     # it (it appears whole), within the start-up timeout.
     secret, _ = load_secret(env, wait_s=timeout_s)
