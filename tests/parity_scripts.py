@@ -254,19 +254,10 @@ EMBED_INPUTS = ["Hello, my name is", "The capital of France is", "One, two, thre
 
 def _serve(model: str, backend: str, workdir: str, name: str, extra_args: list[str],
            ask: Any) -> dict:
-    """Start ``vllm serve`` of MODEL under BACKEND (TP=2), return ASK(server), stop it; fail
-    if anything of it is left running."""
-    from servers import Server
+    from servers import serve_once
 
-    server = Server(model, Path(workdir) / f"{name}-{backend}.log", backend=backend,
-                    extra_args=[*SERVE_ARGS, *extra_args])
-    try:
-        server.wait_ready()
-        out = ask(server)
-    finally:
-        server.stop()
-    assert not server.leftovers, f"{name} under {backend} left {server.leftovers}"
-    return out
+    return serve_once(model, Path(workdir) / f"{name}-{backend}.log", ask, backend=backend,
+                      extra_args=[*SERVE_ARGS, *extra_args])
 
 
 def _lora_and_structured_answers(server: Any) -> dict:

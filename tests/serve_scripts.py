@@ -102,19 +102,10 @@ async def run_wave(base_url: str, reqs: list[dict]) -> dict[int, str]:
 
 def _serving(model: str, backend: str, workdir: str, name: str, tp: int, pp: int,
              extra_args: list[str], fn: Any) -> Any:
-    """Start ``vllm serve`` of MODEL under BACKEND, return FN(server), stop it; fail if
-    anything of it is left running."""
-    from servers import Server
+    from servers import serve_once
 
-    server = Server(model, Path(workdir) / f"{name}-{backend}.log", backend=backend, tp=tp,
-                    pp=pp, extra_args=extra_args)
-    try:
-        server.wait_ready()
-        out = fn(server)
-    finally:
-        server.stop()
-    assert not server.leftovers, f"{name} under {backend} left {server.leftovers}"
-    return out
+    return serve_once(model, Path(workdir) / f"{name}-{backend}.log", fn, backend=backend,
+                      tp=tp, pp=pp, extra_args=extra_args)
 
 
 def serve_answers(model: str, backend: str, workdir: str, tp: int = 2, pp: int = 1,

@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 from procs import name_of, tagged_processes
@@ -156,6 +157,19 @@ def by_title(server: Server, title: str) -> list[psutil.Process]:
     """The processes of ``server``'s tree whose title contains ``title``."""
     return [p for p in server.tree() if title in p.name()]
 
+
+
+def serve_once(model: str, log_path: Path, fn: Any, **kwargs: Any) -> Any:
+    """Start ``Server(model, log_path, **kwargs)``, return FN(server), stop it; fail if
+    anything of it is left running (each reference scenario's one server)."""
+    server = Server(model, log_path, **kwargs)
+    try:
+        server.wait_ready()
+        out = fn(server)
+    finally:
+        server.stop()
+    assert not server.leftovers, f"{log_path.name}: left {server.leftovers}"
+    return out
 
 
 class TorchrunServer(Server):
