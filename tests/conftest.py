@@ -17,6 +17,25 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
 
 
+#: Where the reference files are as the run found them (set by the first pytest process,
+#: inherited by xdist's workers): a reference computed live during the run rewrites its file,
+#: so the freshness test must look at the files as they came with the checkout.
+SNAPSHOT_ENV = "KEEPALIVE_REFERENCE_SNAPSHOT"
+
+
+def pytest_configure(config) -> None:
+    import shutil
+
+    if hasattr(config, "workerinput") or os.environ.get(SNAPSHOT_ENV):
+        return
+    from run_engine import REFERENCE_DIR
+
+    snapshot = tempfile.mkdtemp(prefix="keepalive-references-")
+    for path in REFERENCE_DIR.glob("*.json"):
+        shutil.copy2(path, snapshot)
+    os.environ[SNAPSHOT_ENV] = snapshot
+
+
 def run_ranks(scenario: str, world: int, *, timeout_s: float, wall_s: float, **kw) -> dict:
     """Run ``dist_scenarios.<scenario>`` on ``world`` spawned ranks; return {rank: result}.
 
