@@ -62,6 +62,7 @@ compete with the TP ranks for them. Absolute figures are noisy; compare ratios w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import importlib.metadata
 import json
@@ -166,6 +167,13 @@ class RunResult:
 
 # --------------------------------------------------------------------------------------------
 # Server handling (the tests' own server classes: tests/servers.py)
+
+
+def on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def base_env(tp: int) -> dict[str, str]:
@@ -508,7 +516,9 @@ def run_config(cfg: Config, rnd: int, model: str, args: argparse.Namespace, resu
             if "Async scheduling will be disabled" in text:
                 res.async_scheduling = "off"
             elif "Initializing a V1 LLM engine" in text:
-                res.async_scheduling = "on"
+                # vLLM's CPU platform turns it off for every executor, without a warning
+                # (platforms/cpu.py: "async scheduling is not required on CPU")
+                res.async_scheduling = "off (CPU)" if on_cpu() else "on"
         except OSError:
             pass
         progress(f"[{cfg.name} round {rnd}] stopped (exit {res.exit_code}"
@@ -580,7 +590,8 @@ def report(results: list[RunResult], meta: dict[str, Any], args: argparse.Namesp
     print(f"model: {meta['model']} (served as tiny)")
     print("server: --enforce-eager --max-model-len 256 --max-num-seqs 8 "
           "--gpu-memory-utilization 0.2 | VLLM_CPU_KVCACHE_SPACE=1 | "
-          "VLLM_CPU_OMP_THREADS_BIND 0|1 (TP=2), 0 (TP=1)")
+          "VLLM_CPU_OMP_THREADS_BIND 0|1 (TP=2), 0 (TP=1)"
+          + (f" | then {args.server_args}" if args.server_args else ""))
     print(f"client: vllm bench serve --backend openai /v1/completions, random dataset "
           f"in={args.input_len} out={args.output_len} --ignore-eos, "
           f"{args.num_prompts} prompts, max concurrency {args.max_concurrency}; "
@@ -646,7 +657,8 @@ def report(results: list[RunResult], meta: dict[str, Any], args: argparse.Namesp
         print(f"| {r.config}#{r.round} | {fmt(r.idle_others_cpu_pct)} | {fmt(r.startup_s)} | "
               f"{fmt(r.exit_code)} | {r.async_scheduling or '-'} |")
     print("\n(async scheduling: 'off' = the server log says vLLM disabled it because the "
-          "executor does not support it; 'on' = vLLM's default, no such warning.)")
+          "executor does not support it; 'off (CPU)' = vLLM's CPU platform turns it off for "
+          "every executor; 'on' = vLLM's default, no such warning.)")
     print()
 
     summary: dict[str, Any] = {}
@@ -839,6 +851,9 @@ def parse_args() -> argparse.Namespace:
                    help="idle time before the cold-TTFT request (last round; 0 = skip)")
     p.add_argument("--warm-requests", type=int, default=3, help="warm TTFT requests after it")
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--server-args", default="",
+                   help='more vllm serve flags for every server, one string, e.g. '
+                        '"--max-model-len 512 --max-num-seqs 32" (they override the defaults)')
     p.add_argument("--warmup-prompts", type=int, default=8)
     p.add_argument("--max-concurrency", type=int, default=8)
     p.add_argument("--input-len", type=int, default=32)
@@ -861,10 +876,22 @@ def tiny_model() -> str:
     return out.strip().splitlines()[-1].strip()
 
 
+def add_server_args(extra: list[str]) -> None:
+    """Append EXTRA to every configuration's ``vllm serve`` flags (the last of a repeated
+    flag wins in vLLM's parser, so these override the servers' defaults)."""
+    global KEEPALIVE, TORCHRUN, MP, TP1
+    KEEPALIVE, TORCHRUN, MP, TP1 = (
+        dataclasses.replace(c, extra_args=(*c.extra_args, *extra))
+        for c in (KEEPALIVE, TORCHRUN, MP, TP1))
+    CONFIGS.update({c.name: c for c in (KEEPALIVE, TORCHRUN, MP, TP1)})
+
+
 def main() -> int:
     args = parse_args()
     if args.pp > 1:
         use_pp(args.pp)
+    if args.server_args:
+        add_server_args(shlex.split(args.server_args))
     args.results_dir.mkdir(parents=True, exist_ok=True)
     model = args.model or tiny_model()
     meta: dict[str, Any] = {
