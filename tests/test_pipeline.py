@@ -82,7 +82,9 @@ def test_pp_serve_answers_like_mp_survives_idle_and_fails_fast_when_the_last_sta
             t.join(30)
         ends = [r[2] - t0 for r in results.values()]
         assert len(results) == 8 and max(ends) < KILL_REACTION_BOUND_S, (results, ends)
-        assert all(r[0] == "error" or r[1] < 200 for r in results.values()), results
+        # every client learns of the fault: an error, never a stream that just ends (chunk
+        # counts prove nothing: the front end merges tokens into fewer chunks)
+        assert all(r[0] == "error" for r in results.values()), results
         assert not last.is_running() or last.status() == "zombie"
         # whichever noticed first names rank 1: its process sentinel, or the output link
         log = ka.log()
