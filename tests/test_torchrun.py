@@ -5,9 +5,11 @@ agents on this machine (``--nnodes 2 --nproc-per-node 1``), rendezvous on loopba
 agent gets its own CPU binding, as each machine would.
 """
 
+import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from netns import VethPair
@@ -188,14 +190,30 @@ BAD_LAUNCHES = [
     (["-tp", "2", "--distributed-executor-backend", "mp"],
      "under torchrun the executor is keepalive"),
 ]
+#: the second launch's rank 1 imports vLLM this much later (tests/slow_import): longer than
+#: rank 0 used to wait for its nonce (10 s) before posting its error, shorter than it waits now
+SLOW_IMPORT_S = 15
 
 
 def test_bad_launches_are_a_clear_error_on_every_rank(tiny_model, tmp_path):
     """Each refused before any weight loads, on every rank (both launches at once: they
     measure no time). The last -tp wins in vLLM's parser, so "-tp 1" overrides the helper's
-    "-tp 2"."""
+    "-tp 2".
+
+    In the second launch rank 1's ``import vllm`` takes SLOW_IMPORT_S longer, as on a loaded
+    machine (where CI once lost both ranks' reasons): rank 1 posted its nonce only after that
+    import, rank 0's error went out without it and was stale to rank 1, which exited, and
+    torchrun stopped rank 0 before it printed anything. With the follower posting its nonce
+    first (and rank 0 printing first) both reasons reach the log; the code before that fix
+    fails this test."""
+    slow = {"PYTHONPATH": os.pathsep.join(
+                p for p in (str(Path(__file__).parent / "slow_import"),
+                            os.environ.get("PYTHONPATH")) if p),
+            "KEEPALIVE_TEST_SLOW_VLLM_IMPORT_RANK": "1",
+            "KEEPALIVE_TEST_SLOW_VLLM_IMPORT_S": str(SLOW_IMPORT_S)}
     servers = [TorchrunServer(tiny_model, tmp_path, extra_args=[*LONG_ARGS, *bad],
-                              log_prefix=f"bad{i}") for i, (bad, _) in enumerate(BAD_LAUNCHES)]
+                              extra_env=slow if i == 1 else None, log_prefix=f"bad{i}")
+               for i, (bad, _) in enumerate(BAD_LAUNCHES)]
     outcomes = []
     try:
         for server in servers:
@@ -205,6 +223,7 @@ def test_bad_launches_are_a_clear_error_on_every_rank(tiny_model, tmp_path):
     finally:
         for server in servers:
             server.stop()
+    assert "rank 1's import of vllm delayed" in outcomes[1][2]  # the hook acted
     for (codes, left, log), (_, message) in zip(outcomes, BAD_LAUNCHES, strict=True):
         assert codes[0] not in (None, 0), codes
         assert message in log, failure_excerpt(log)
