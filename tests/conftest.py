@@ -34,6 +34,7 @@ def pytest_configure(config) -> None:
     for path in REFERENCE_DIR.glob("*.json"):
         shutil.copy2(path, snapshot)
     os.environ[SNAPSHOT_ENV] = snapshot
+    config.add_cleanup(lambda: shutil.rmtree(snapshot, ignore_errors=True))
 
 
 def run_ranks(scenario: str, world: int, *, timeout_s: float, wall_s: float, **kw) -> dict:

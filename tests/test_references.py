@@ -150,6 +150,12 @@ def test_the_serve_reference_runs_with_the_serving_tests_arguments():
     assert REFERENCES["serve_tp2"]["extra_args"] == LOAD_ARGS
 
 
+def _as_found(name: str) -> Path:
+    """NAME's reference file as this run found it (conftest's snapshot; a live run earlier in
+    the same run may have rewritten the file itself)."""
+    return Path(os.environ.get(SNAPSHOT_ENV, REFERENCE_DIR)) / f"{name}.json"
+
+
 def test_every_reference_is_compared_by_a_test_and_has_its_file(tmp_path):
     """Every reference is compared by a test (and the tests named for it mention it); every
     one has its file, for the call those tests make now, with every part of the key; and no
@@ -163,8 +169,7 @@ def test_every_reference_is_compared_by_a_test_and_has_its_file(tmp_path):
     assert sorted(p.stem for p in REFERENCE_DIR.glob("*.json")) == sorted(REFERENCES)
     model = _fake_model(tmp_path)
     for name, spec in REFERENCES.items():
-        variants = Reference.variants(Path(os.environ.get(SNAPSHOT_ENV, REFERENCE_DIR))
-                                      / f"{name}.json")
+        variants = Reference.variants(_as_found(name))
         key = reference_key(reference_call(spec, model, tmp_path / name), model)
         assert variants, name
         for v in variants:
@@ -183,8 +188,7 @@ def test_the_cached_references_are_current_apart_from_the_cpu(tiny_model, tmp_pa
     stale = {}
     for name, spec in REFERENCES.items():
         key = reference_key(reference_call(spec, tiny_model, tmp_path / name), tiny_model)
-        variants = Reference.variants(Path(os.environ.get(SNAPSHOT_ENV, REFERENCE_DIR))
-                                      / f"{name}.json")
+        variants = Reference.variants(_as_found(name))
         differences = [sorted(p for p in key if p != CPU_PART and key[p] != v["key"].get(p))
                        for v in variants]
         if not any(d == [] for d in differences):
