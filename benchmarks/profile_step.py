@@ -59,12 +59,17 @@ def main() -> None:
     from tiny_model import build_tiny_model
 
     if backend == "keepalive":
+        import torch.distributed
+
         from keepalive_executor.channel import BroadcastChannel
         from keepalive_executor.driver import DriverRank
         from keepalive_executor.executor import KeepaliveExecutor as Cls
         from keepalive_executor.outputs import OutputLink
 
         timed(BroadcastChannel, "send", "broadcast (channel.send)")
+        # inside it, the asynchronous collective call itself (the channel's only one per
+        # decode step on rank 0)
+        timed(torch.distributed, "broadcast", "  of which dist.broadcast")
         timed(DriverRank, "run", "rank 0's part (DriverRank.run)")
         if pp > 1:
             timed(OutputLink, "recv", "output link recv (own thread)")
