@@ -37,7 +37,7 @@ bound to 127.0.0.1 on a free port. Readiness = ``GET /health`` returns 200. Then
    processes in the tree and the sum of their RSS in GB (RSS double-counts shared pages, so it
    is an upper bound of the real footprint). The machine-wide busy CPU of *other* processes in
    the same window is recorded too, so a contaminated window is visible.
-3. Idle first-request latency (keepalive and mp TP=2, last round only; ``--idle-ttft-seconds``,
+3. Idle first-request latency (keepalive and mp, last round only; ``--idle-ttft-seconds``,
    default 60, 0 disables): once the server has had no request for that long, one streaming
    completion (openai python client, ``max_tokens=8``, temperature 0) is sent and its TTFT =
    time from sending to the first streamed chunk with non-empty text. Then ``--warm-requests``
@@ -102,10 +102,12 @@ class Config:
     tp: int
     pp: int = 1
     extra_args: tuple[str, ...] = ()  # more vllm serve flags
+    dp: int = 1
 
     @property
     def layout(self) -> str:
-        return f"TP={self.tp}" + (f" PP={self.pp}" if self.pp > 1 else "")
+        return ((f"DP={self.dp} " if self.dp > 1 else "") + f"TP={self.tp}"
+                + (f" PP={self.pp}" if self.pp > 1 else ""))
 
 
 KEEPALIVE = Config("keepalive-tp2", "keepalive", 2)
@@ -129,6 +131,18 @@ def use_pp(pp: int) -> None:
     TORCHRUN = Config(f"torchrun-pp{pp}", "torchrun", tp, pp, PP_ARGS)
     MP = Config(f"mp-pp{pp}", "mp", tp, pp, PP_ARGS)
     CONFIGS.update({c.name: c for c in (KEEPALIVE, TORCHRUN, MP)})
+
+
+def use_dp(dp: int, tp: int) -> None:
+    """Turn keepalive and mp into ``-dp DP -tp TP`` (vLLM's default front end: one API
+    server per replica); the TP=1 floor stays one replica of one rank."""
+    global KEEPALIVE, MP
+    KEEPALIVE, MP = (
+        Config(f"{b}-dp{dp}-tp{tp}", b, tp, 1,
+               ("-dp", str(dp), *(("--distributed-executor-backend", b) if tp == 1 else ())),
+               dp)
+        for b in ("keepalive", "mp"))
+    CONFIGS.update({c.name: c for c in (KEEPALIVE, MP)})
 
 
 @dataclass
@@ -195,8 +209,11 @@ def start_server(cfg: Config, model: str, log_path: Path) -> Server:
         return TorchrunServer(model, log_path.parent, nnodes=1, nproc=cfg.tp * cfg.pp,
                               tp=cfg.tp, pp=cfg.pp, log_prefix=log_path.stem,
                               extra_args=list(cfg.extra_args))
+    # one CPU entry per rank of every replica (vLLM gives replica i entries i*tp...)
+    ranks = cfg.dp * cfg.tp * cfg.pp
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(("0", "1")[r % 2] for r in range(ranks))}
     return Server(model, log_path, tp=cfg.tp, pp=cfg.pp, backend=cfg.backend,
-                  extra_args=list(cfg.extra_args))
+                  extra_args=list(cfg.extra_args), extra_env=bind if cfg.dp > 1 else None)
 
 
 def stop_server(srv: Server) -> tuple[int | None, list[str]]:
@@ -591,6 +608,7 @@ def report(results: list[RunResult], meta: dict[str, Any], args: argparse.Namesp
     print("server: --enforce-eager --max-model-len 256 --max-num-seqs 8 "
           "--gpu-memory-utilization 0.2 | VLLM_CPU_KVCACHE_SPACE=1 | "
           "VLLM_CPU_OMP_THREADS_BIND 0|1 (TP=2), 0 (TP=1)"
+          + (f", 0|1 repeated per replica (-dp {args.dp})" if args.dp > 1 else "")
           + (f" | then {args.server_args}" if args.server_args else ""))
     print(f"client: vllm bench serve --backend openai /v1/completions, random dataset "
           f"in={args.input_len} out={args.output_len} --ignore-eos, "
@@ -841,6 +859,10 @@ def parse_args() -> argparse.Namespace:
                    help="also the torchrun mode (torchrun -m keepalive_executor serve) each round")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages of keepalive/mp/torchrun (TP becomes 2/PP)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas of keepalive and mp (-dp; not with --pp or "
+                        "--with-torchrun)")
+    p.add_argument("--tp", type=int, default=2, help="with --dp > 1: each replica's TP size")
     p.add_argument("--structured", action="store_true",
                    help="after the main run, a structured-output run (half the requests with "
                         "a JSON schema) against each server")
@@ -867,6 +889,8 @@ def parse_args() -> argparse.Namespace:
     a = p.parse_args()
     if a.rounds < 1:
         p.error("--rounds must be >= 1")
+    if a.dp > 1 and (a.pp > 1 or a.with_torchrun):
+        p.error("--dp > 1 goes with neither --pp nor --with-torchrun (torchrun mode refuses -dp)")
     return a
 
 
@@ -890,6 +914,8 @@ def main() -> int:
     args = parse_args()
     if args.pp > 1:
         use_pp(args.pp)
+    if args.dp > 1:
+        use_dp(args.dp, args.tp)
     if args.server_args:
         add_server_args(shlex.split(args.server_args))
     args.results_dir.mkdir(parents=True, exist_ok=True)
@@ -916,7 +942,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
         try:
             for cfg, rnd in plan:
-                idle_ttft = (args.idle_ttft_seconds > 0 and cfg.tp == 2
+                idle_ttft = (args.idle_ttft_seconds > 0 and cfg.backend != "none"
                              and rnd == args.rounds)
                 results.append(run_config(cfg, rnd, model, args, Path(tmp), idle_ttft))
         except KeyboardInterrupt:

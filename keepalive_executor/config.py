@@ -464,18 +464,29 @@ def check_features(vllm_config: Any) -> None:
         )
 
 
-def check_parallel_layout(parallel_config: Any) -> None:
-    """Reject layouts this executor does not run yet, naming the flag to change."""
+def check_parallel_layout(parallel_config: Any, model_config: Any = None) -> None:
+    """Reject layouts this executor does not run yet, naming the flag to change.
+
+    Data parallelism: vLLM 0.32 runs the replicas of a dense model as independent engines
+    (``reconfigure_for_independent_dp_rank``: each engine core sees ``data_parallel_size``
+    1 and its own torch world), so each replica gets its own keepalive executor and channel.
+    A mixture-of-experts model keeps one world across the replicas (``DPEngineCoreProc``);
+    the channel and reply groups are then replica-local groups inside it
+    (channel.open_world_channel), the PP output link is not: DP with PP refused there."""
     problems = []
     if getattr(parallel_config, "prefill_context_parallel_size", 1) > 1:
         problems.append(
             "--prefill-context-parallel-size="
             f"{parallel_config.prefill_context_parallel_size} (not supported: use 1)"
         )
-    if parallel_config.data_parallel_size > 1:
+    dp = parallel_config.data_parallel_size
+    if (dp > 1 and getattr(model_config, "is_moe", False)
+            and getattr(parallel_config, "pipeline_parallel_size", 1) > 1):
         problems.append(
-            f"--data-parallel-size={parallel_config.data_parallel_size} "
-            "(data parallelism is not supported: use 1)"
+            f"--data-parallel-size={dp} with --pipeline-parallel-size="
+            f"{parallel_config.pipeline_parallel_size} for a mixture-of-experts model (its "
+            "replicas share one torch.distributed world; the channel is made replica-local "
+            "there, the pipeline's output link is not: use -pp 1 with -dp, or -dp 1)"
         )
     if getattr(parallel_config, "nnodes", 1) > 1:
         problems.append(

@@ -127,7 +127,8 @@ class KeepaliveExecutor(Executor):
     @staticmethod
     def validate(vllm_config: Any) -> KeepaliveSettings:
         """All start-up checks, cheap enough for the front end: raises KeepaliveConfigError."""
-        check_parallel_layout(vllm_config.parallel_config)
+        check_parallel_layout(vllm_config.parallel_config,
+                              getattr(vllm_config, "model_config", None))
         check_features(vllm_config)
         if torchrun.in_torchrun_mode():
             torchrun.check_world_size(vllm_config.parallel_config)
@@ -199,7 +200,8 @@ class KeepaliveExecutor(Executor):
                 shared_worker_lock=ranks.shared_worker_lock,
                 before_init_device=ranks.before_init_device,
             )
-            channel, reply_group = driver.run(open_world_channel, settings.channel)
+            channel, reply_group = driver.run(open_world_channel, settings.channel,
+                                              self.parallel_config)
             link = driver.run(open_output_link, self.parallel_config,
                               settings.channel.output_timeout_s)
             ranks.wait_ready()
@@ -208,7 +210,8 @@ class KeepaliveExecutor(Executor):
         self._life.check_usable()
         if link is not None:
             self._outputs = OutputReceiver(link, on_lost=self._fail)
-        gather = partial(_gather, group=reply_group, world_size=self.world_size)
+        gather = partial(_gather, group=reply_group, world_size=self.world_size,
+                         dst=channel.src)
         self._assemble(settings, channel, driver, gather)
         if late_watch:
             ranks.watch(self._fail)
@@ -530,8 +533,9 @@ def _split_pair(both: Future) -> tuple[Future, Future]:
     return first, second
 
 
-def _gather(mine: RpcReply, timeout_s: float | None, *, group: Any, world_size: int
-            ) -> list[RpcReply]:
-    replies = gather_replies(mine, group, dst=0, world_size=world_size, timeout_s=timeout_s)
+def _gather(mine: RpcReply, timeout_s: float | None, *, group: Any, world_size: int,
+            dst: int = 0) -> list[RpcReply]:
+    """Every rank's reply, on rank 0 (DST: its global rank, the replica's first)."""
+    replies = gather_replies(mine, group, dst=dst, world_size=world_size, timeout_s=timeout_s)
     assert replies is not None
     return replies

@@ -270,13 +270,13 @@ def run_worker(
         # before this process's first NCCL group (init_device creates them)
         on_nccl = nccl.apply_error_handling(current_platform.dist_backend) is not None
         wrapper.init_device()
-        channel, reply_group = open_world_channel(spec)
+        channel, reply_group = open_world_channel(spec, vllm_config.parallel_config)
         output = open_output_link(vllm_config.parallel_config, spec.output_timeout_s)
         if output is not None and vllm_config.scheduler_config.async_scheduling:
             output = OutputSender(output, bind_thread=partial(_bind_device, wrapper))
         on_ready()
         receive_loop(wrapper, channel, reply_group, rank=rank, world_size=world_size,
-                     output=output)
+                     src=channel.src, output=output)
         if output is not None:
             output.close()
         code = exit_codes.OK

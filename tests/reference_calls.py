@@ -38,6 +38,15 @@ REFERENCES: dict[str, dict] = {
                      workdir="WORKDIR", multiprocessing=True),
     "llm_generate_mp": dict(name="llm_generate", script="engine_scripts.py", backend="mp",
                             tp=2, multiprocessing=True),
+    # data parallelism (tests/dp_scripts.py): a wave's answers, the engines that served it,
+    # and (TP=2) what killing replica 1's rank 1 under load does to the server
+    "dp2_tp2_mp": dict(name="dp_serve", script="dp_scripts.py", backend="mp",
+                       workdir="WORKDIR", multiprocessing=True, dp=2, tp=2),
+    "dp2_tp1_mp": dict(name="dp_serve", script="dp_scripts.py", backend="mp",
+                       workdir="WORKDIR", multiprocessing=True, dp=2, tp=1),
+    # a mixture-of-experts model (tests/tiny_moe.py): one torch world across the replicas
+    "moe_dp2_tp2_mp": dict(name="dp_serve", script="dp_scripts.py", backend="mp",
+                           workdir="WORKDIR", multiprocessing=True, dp=2, tp=2, moe=True),
     "llm_generate_tp1": dict(name="llm_generate", script="engine_scripts.py", backend=None,
                              tp=1, multiprocessing=True),
 }

@@ -6,8 +6,10 @@ through the same front-end path (vLLM's serve argument parser, ``create_engine_c
 ``Executor.get_class``, which our plugin wraps) in one interpreter, which is much faster."""
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from run_engine import HERE
@@ -38,8 +40,13 @@ CASES = [
      ["VLLM_KEEPALIVE_INLINE_BYTES='16k'", "non-negative integer number of bytes"]),
     ("max-payload", {"VLLM_KEEPALIVE_MAX_PAYLOAD_BYTES": "-1"}, [],
      ["VLLM_KEEPALIVE_MAX_PAYLOAD_BYTES='-1'", "non-negative integer number of bytes"]),
-    # features keepalive refuses (mp runs them)
-    ("data-parallel", {}, ["--data-parallel-size", "2"], ["--data-parallel-size=2"]),
+    # features keepalive refuses (mp runs them): DP with PP for a mixture-of-experts model
+    # (TINY_MOE: a Mixtral config without weights, enough for the front end; DP of a dense or
+    # MoE model without PP runs, tests/test_data_parallel.py)
+    ("data-parallel-moe-pp", {},
+     ["--model", "TINY_MOE", "-tp", "1", "-pp", "2", "--data-parallel-size", "2"],
+     ["--data-parallel-size=2 with --pipeline-parallel-size=2 for a mixture-of-experts model",
+      "use -pp 1 with -dp, or -dp 1"]),
     # vLLM accepts an EC connector here; keepalive's PP path would drop its per-rank outputs
     ("ec-with-pp", {}, ["-pp", "2", "--ec-transfer-config", json.dumps(
         {"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
@@ -52,9 +59,35 @@ BASE_ARGS = ["-tp", "2", "--distributed-executor-backend", "keepalive",
              "--distributed-timeout-seconds", "5", "--enforce-eager"]
 
 
+def tiny_moe_config(directory: Path, tiny_model: str) -> str:
+    """A tiny Mixtral's config and the tiny model's tokenizer, no weights: what vLLM's front
+    end reads (is_moe) before any engine starts."""
+    from transformers import MixtralConfig
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in Path(tiny_model).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
+            shutil.copy(f, directory)
+    MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+                  tie_word_embeddings=False).save_pretrained(directory)
+    return str(directory)
+
+
+def _with_models(args: list[str], tiny_model: str, moe: str) -> list[str]:
+    """ARGS with the tiny model first (a later --model wins) and TINY_MOE replaced."""
+    return ["--model", tiny_model, *[moe if a == "TINY_MOE" else a for a in args]]
+
+
 @pytest.fixture(scope="session")  # once per pytest-xdist worker (tests/test_parity.py)
-def frontend_errors(tiny_model):
-    cases = [{"id": i, "env": e, "args": ["--model", tiny_model, *BASE_ARGS, *a]}
+def tiny_moe(tiny_model, tmp_path_factory) -> str:
+    return tiny_moe_config(tmp_path_factory.mktemp("moe") / "tiny-mixtral-config", tiny_model)
+
+
+@pytest.fixture(scope="session")
+def frontend_errors(tiny_model, tiny_moe):
+    cases = [{"id": i, "env": e, "args": _with_models([*BASE_ARGS, *a], tiny_model, tiny_moe)}
              for i, e, a, _ in CASES]
     proc = subprocess.run([sys.executable, str(HERE / "frontend_check.py"), json.dumps(cases)],
                           env=env(), capture_output=True, text=True, timeout=600)
@@ -76,12 +109,15 @@ def test_bad_setting_fails_in_the_front_end_naming_it(frontend_errors, case_id, 
         assert needle in out["error"], f"{needle!r} not in {out['error']!r}"
 
 
-@pytest.mark.parametrize("case_id", ["too-large", "failure-grace", "data-parallel",
+@pytest.mark.parametrize("case_id", ["too-large", "failure-grace", "data-parallel-moe-pp",
                                      "ec-with-pp"])
-def test_bad_setting_through_vllm_serve_exits_before_loading(tiny_model, case_id):
+def test_bad_setting_through_vllm_serve_exits_before_loading(tiny_model, tiny_moe, case_id):
     _, extra_env, args, needles = next(c for c in CASES if c[0] == case_id)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", tiny_model,
-           *BASE_ARGS, "--port", "0", *args]
+    model, *rest = _with_models([*BASE_ARGS, "--port", "0", *args], tiny_model, tiny_moe)[1:]
+    if "--model" in rest:  # vllm serve takes the model positionally
+        at = rest.index("--model")
+        model, rest = rest[at + 1], rest[:at] + rest[at + 2:]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *rest]
     proc = subprocess.run(cmd, env=env(**extra_env), capture_output=True, text=True,
                           timeout=300)
     out = proc.stdout + proc.stderr

@@ -199,14 +199,25 @@ def test_unknown_transport():
 
 @pytest.mark.parametrize(
     "kw, flag",
-    [({"dp": 2}, "--data-parallel-size=2"),
-     ({"nnodes": 2}, "--nnodes=2"), ({"pcp": 2}, "--prefill-context-parallel-size=2")],
+    [({"nnodes": 2}, "--nnodes=2"), ({"pcp": 2}, "--prefill-context-parallel-size=2")],
 )
 def test_unsupported_layouts_name_the_flag(kw, flag):
     with pytest.raises(KeepaliveConfigError, match=flag):
         check_parallel_layout(cfg(**kw).parallel_config)
     check_parallel_layout(cfg().parallel_config)
     check_parallel_layout(cfg(pp=2).parallel_config)  # pipeline parallelism is supported
+
+
+def test_data_parallelism_is_refused_only_for_moe_models_with_pipeline_parallelism():
+    dense, moe = SimpleNamespace(is_moe=False), SimpleNamespace(is_moe=True)
+    check_parallel_layout(cfg(dp=2).parallel_config, dense)
+    check_parallel_layout(cfg(dp=2, pp=2).parallel_config, dense)
+    check_parallel_layout(cfg(dp=2).parallel_config, moe)
+    check_parallel_layout(cfg(dp=1, pp=2).parallel_config, moe)
+    with pytest.raises(KeepaliveConfigError,
+                       match=r"--data-parallel-size=2 with --pipeline-parallel-size=2 for a "
+                             r"mixture-of-experts model"):
+        check_parallel_layout(cfg(dp=2, pp=2).parallel_config, moe)
 
 
 @pytest.mark.parametrize("field, flag", [("kv_transfer_config", "--kv-transfer-config"),

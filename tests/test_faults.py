@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
+from dp_scripts import stream_all as _stream_all
 from procs import alive, left_after
 from run_engine import HERE
 from servers import Server, by_title
@@ -108,28 +108,6 @@ def one_request(server: Server, max_tokens: int = 8) -> str:
     c = server.client()
     return c.completions.create(model="tiny", prompt="Hello, my name is",
                                 max_tokens=max_tokens, temperature=0).choices[0].text
-
-
-def _stream_all(server: Server, n: int, results: dict) -> list[threading.Thread]:
-    """``results[i]``: ("finished", the stream's last finish_reason, t) or ("error", the
-    error, t). The front end merges tokens into fewer chunks, so chunk counts say nothing
-    about completeness; the finish_reason does."""
-    def run(i: int) -> None:
-        try:
-            finish = None
-            for chunk in server.client().completions.create(
-                    model="tiny", prompt="Hello", max_tokens=200, temperature=0, stream=True,
-                    extra_body={"ignore_eos": True}):
-                if chunk.choices and chunk.choices[0].finish_reason is not None:
-                    finish = chunk.choices[0].finish_reason
-            results[i] = ("finished", finish, time.monotonic())
-        except Exception as e:  # noqa: BLE001 - an error is the expected end under a fault
-            results[i] = ("error", f"{type(e).__name__}: {e}", time.monotonic())
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    return threads
 
 
 def test_worker_killed_with_8_streams_in_flight(pool):

@@ -30,6 +30,9 @@ COMPARED_ELSEWHERE = {
     "load_tp2": ["test_serve.py"],
     "llm_generate_mp": ["test_executor_llm.py"],
     "llm_generate_tp1": ["test_executor_llm.py"],
+    "dp2_tp2_mp": ["test_data_parallel.py"],
+    "dp2_tp1_mp": ["test_data_parallel.py"],
+    "moe_dp2_tp2_mp": ["test_data_parallel.py"],
 }
 
 

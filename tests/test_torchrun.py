@@ -189,6 +189,8 @@ BAD_LAUNCHES = [
     (["-tp", "1"], "torchrun started WORLD_SIZE=2 ranks but vLLM's configuration needs 1"),
     (["-tp", "2", "--distributed-executor-backend", "mp"],
      "under torchrun the executor is keepalive"),
+    (["-tp", "1", "-dp", "2"],
+     "--data-parallel-size=2 is not supported in keepalive's torchrun mode"),
 ]
 #: the second launch's rank 1 imports vLLM this much later (tests/slow_import): longer than
 #: rank 0 used to wait for its nonce (10 s) before posting its error, shorter than it waits now
@@ -196,7 +198,7 @@ SLOW_IMPORT_S = 15
 
 
 def test_bad_launches_are_a_clear_error_on_every_rank(tiny_model, tmp_path):
-    """Each refused before any weight loads, on every rank (both launches at once: they
+    """Each refused before any weight loads, on every rank (every launch at once: they
     measure no time). The last -tp wins in vLLM's parser, so "-tp 1" overrides the helper's
     "-tp 2".
 

@@ -71,9 +71,10 @@ def test_backend_flag_is_added_kept_or_refused():
 
 
 class _Parallel:
-    def __init__(self, tp, pp=1):
+    def __init__(self, tp, pp=1, dp=1):
         self.tensor_parallel_size = tp
         self.pipeline_parallel_size = pp
+        self.data_parallel_size = dp
         self.world_size = tp * pp
 
 
@@ -84,6 +85,13 @@ def test_world_size_must_equal_tp_times_pp():
                        match=r"WORLD_SIZE=2 ranks but .* needs 4 \(--tensor-parallel-size=2 x "
                              r"--pipeline-parallel-size=2\); pass -tp and -pp whose product is 2"):
         check_world_size(_Parallel(2, 2), GOOD)
+
+
+def test_data_parallelism_is_refused_in_torchrun_mode_naming_the_flag_and_the_way_out():
+    with pytest.raises(KeepaliveConfigError,
+                       match=r"--data-parallel-size=2 is not supported in keepalive's torchrun "
+                             r"mode: .* one torchrun per replica"):
+        check_world_size(_Parallel(1, dp=2), GOOD)  # even where tp x pp x dp = WORLD_SIZE
 
 
 def test_mode_marker():

@@ -125,6 +125,16 @@ def check_world_size(parallel_config: Any, environ: Mapping[str, str] | None = N
     """In torchrun mode, torchrun's WORLD_SIZE must be exactly the ranks vLLM asks for."""
     from keepalive_executor.config import KeepaliveConfigError
 
+    dp = getattr(parallel_config, "data_parallel_size", 1)
+    if dp > 1:
+        raise KeepaliveConfigError(
+            f"--data-parallel-size={dp} is not supported in keepalive's torchrun mode: "
+            "vLLM's data-parallel front end starts every replica's engine core as a child of "
+            "its own process, while here each replica's rank 0 would have to be the torchrun "
+            "rank that leads that replica's other ranks; run one torchrun per replica, each "
+            "serving on its own port, behind your load balancer, or use the spawned mode "
+            "(vllm serve MODEL -dp N -tp M --distributed-executor-backend keepalive)"
+        )
     env = TorchrunEnv.from_environ(environ)
     need = parallel_config.world_size
     if env.world_size != need:
