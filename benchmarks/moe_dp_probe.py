@@ -48,7 +48,11 @@ def main() -> None:
                 outcome = f"answered {c.choices[0].text!r}"
             except Exception as e:  # noqa: BLE001 - the probe reports it
                 log = server.log().splitlines()
-                errors = [ln for ln in log if re.search(r"\b\w+Error\b(:|$)", ln)][:3]
+                # the first error, and the frame it was raised in
+                at = next((i for i, ln in enumerate(log) if " WARNING " not in ln
+                           and re.search(r"\b\w+Error\b(:|$)", ln)), len(log))
+                frame = [ln for ln in log[:at] if re.search(r'File ".*", line \d+, in ', ln)]
+                errors = [*frame[-1:], *log[at:at + 2]]
                 outcome = f"failed ({type(e).__name__}); server log: " + " | ".join(
                     ln[-160:] for ln in errors)
             finally:

@@ -230,3 +230,16 @@ def test_moe_dp2_tp2_answers_like_mp_through_a_dp_wave_and_idle_periods(
         for s in servers.values():
             s.stop()
     assert left_after(tree, 10) == []
+
+
+def test_replica_ranks_follow_vllms_numbering_of_a_world_across_replicas():
+    """vLLM's init_distributed_environment gives replica r the global ranks r*world_size ...
+    (world_size = tp x pp) when the world spans replicas; otherwise there is nothing to split."""
+    from types import SimpleNamespace
+
+    from keepalive_executor.channel import replica_ranks
+
+    assert replica_ranks(None) == []
+    assert replica_ranks(SimpleNamespace(data_parallel_size=1, world_size=4)) == []
+    assert replica_ranks(SimpleNamespace(data_parallel_size=2, world_size=2)) == [[0, 1], [2, 3]]
+    assert replica_ranks(SimpleNamespace(data_parallel_size=3, world_size=1)) == [[0], [1], [2]]
