@@ -193,8 +193,9 @@ BAD_LAUNCHES = [
      "--data-parallel-size=2 is not supported in keepalive's torchrun mode"),
 ]
 #: the second launch's rank 1 imports vLLM this much later (tests/slow_import): longer than
-#: rank 0 used to wait for its nonce (10 s) before posting its error, shorter than it waits now
-SLOW_IMPORT_S = 15
+#: rank 0 used to wait for its nonce (10 s) before posting its error, and longer than it waits
+#: for the followers to acknowledge the error (cli.ERROR_ACK_WAIT_S, 20 s)
+SLOW_IMPORT_S = 25
 
 
 def test_bad_launches_are_a_clear_error_on_every_rank(tiny_model, tmp_path):
@@ -207,7 +208,11 @@ def test_bad_launches_are_a_clear_error_on_every_rank(tiny_model, tmp_path):
     import, rank 0's error went out without it and was stale to rank 1, which exited, and
     torchrun stopped rank 0 before it printed anything. With the follower posting its nonce
     first (and rank 0 printing first) both reasons reach the log; the code before that fix
-    fails this test."""
+    fails this test. A later CI run lost rank 1's reason the same way once more: rank 1 read
+    the error only after its import, which took longer than rank 0 waits for
+    acknowledgements, and torchrun stopped rank 1 when rank 0 exited. Now a watch reads the
+    error while the import runs; with the delay above the acknowledgement wait the code before
+    that fails here too."""
     slow = {"PYTHONPATH": os.pathsep.join(
                 p for p in (str(Path(__file__).parent / "slow_import"),
                             os.environ.get("PYTHONPATH")) if p),

@@ -67,6 +67,8 @@ __all__ = [
     "post_bootstrap",
     "post_error",
     "wait_bootstrap",
+    "watch_for_error",
+    "ERROR_HINT",
 ]
 
 logger = get_logger(__name__)
@@ -385,12 +387,41 @@ def post_error(store: Any, env: TorchrunEnv, message: str, secret: bytes,
             return False
         if "error" not in boot:
             return False  # the configuration went out: the ranks learn of it otherwise
+    # a hint, unsigned: the bootstrap is an error (a follower still importing vLLM reads it
+    # then, without unpickling a configuration; the error itself is checked as ever)
+    store.set(env.key(ERROR_HINT), b"1")
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if store.add(env.key("error-seen"), 0) >= env.world_size - 1:
             break
         time.sleep(0.1)
     return posted
+
+
+#: store key (per attempt) rank 0 sets once the bootstrap it posted is an error
+ERROR_HINT = "bootstrap-is-error"
+
+
+def watch_for_error(store: Any, env: TorchrunEnv, secret_and_nonce: Any,
+                    report: Any, stop: Any, poll_s: float = 0.1) -> None:
+    """A follower's watch while it imports vLLM (many seconds on a loaded machine, longer
+    than rank 0 waits for acknowledgements): once rank 0 hints that its bootstrap is an error,
+    read and check it (``secret_and_nonce()`` gives the secret and this rank's nonce) and call
+    ``report(message)``. Ends when ``stop`` is set (the main thread read the bootstrap) or on
+    any store error (the main thread's own read reports those)."""
+    hint = env.key(ERROR_HINT)
+    try:
+        while not stop.is_set():
+            if store.check([hint]):
+                secret, nonce = secret_and_nonce()
+                key = env.key("bootstrap")
+                boot = verify(secret, key, store.get(key), env.rank, nonce)
+                if isinstance(boot, dict) and boot.get("error"):
+                    report(str(boot["error"]))
+                return
+            time.sleep(poll_s)
+    except Exception as e:  # noqa: BLE001 - the main thread reads the bootstrap itself
+        logger.debug("rank %d: early error watch ended: %s", env.rank, e)
 
 
 def wait_bootstrap(store: Any, env: TorchrunEnv, timeout_s: float, secret: bytes,

@@ -54,6 +54,7 @@ from keepalive_executor.torchrun.bootstrap import (
     post_error,
     post_nonce,
     wait_bootstrap,
+    watch_for_error,
 )
 from keepalive_executor.torchrun.env import (
     LAUNCHER_ENV,
@@ -177,6 +178,26 @@ def _follow(env: TorchrunEnv) -> int:
         print(f"error: rank {env.rank} not starting: torchrun's store at {env.address}: "
               f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return exit_codes.FAILED
+    # Rank 0 waits only ERROR_ACK_WAIT_S for the followers to say they read its error, and
+    # vLLM's import below can take longer on a loaded machine: a watch reads an error as soon
+    # as rank 0 posts it, says why, acknowledges and ends this process.
+    read_bootstrap = threading.Event()
+    reported = threading.Lock()
+
+    def report_early(message: str) -> None:
+        if reported.acquire(blocking=False):
+            with contextlib.suppress(Exception):
+                store.add(env.key("error-seen"), 1)
+            print(f"error: rank {env.rank} not starting: rank 0 reported: {message}",
+                  file=sys.stderr, flush=True)
+            os._exit(exit_codes.FAILED)
+
+    def secret_and_nonce() -> tuple[bytes, bytes]:
+        return load_secret(env, wait_s=startup_timeout_s())[0], nonce
+
+    threading.Thread(target=watch_for_error, name="keepalive-error-watch", daemon=True,
+                     args=(store, env, secret_and_nonce, report_early,
+                           read_bootstrap)).start()
     from vllm.config.logging import LoggingConfig
     from vllm.logger import configure_logging_if_needed
 
@@ -210,7 +231,11 @@ def _follow(env: TorchrunEnv) -> int:
         return exit_codes.FAILED
     except SystemExit as e:
         return int(e.code or 0)
+    finally:
+        read_bootstrap.set()
     if boot.get("error"):
+        if not reported.acquire(blocking=False):
+            return exit_codes.FAILED  # the watch is saying it (and ends the process)
         with contextlib.suppress(Exception):
             store.add(env.key("error-seen"), 1)
         logger.error("rank %d not starting: rank 0 reported: %s", env.rank, boot["error"])
