@@ -549,15 +549,15 @@ class _InFlight:
 
 
 def replica_ranks(parallel_config: Any) -> list[list[int]]:
-    """The global ranks of each data-parallel replica in vLLM's world: one list (the whole
-    world) unless the world spans replicas, which vLLM 0.32 builds for a mixture-of-experts
-    model under ``-dp > 1`` (``init_distributed_environment`` numbers replica r's ranks from
-    ``r * world_size``); a dense model's replicas each have a world of their own."""
-    dp = getattr(parallel_config, "data_parallel_size", 1) if parallel_config else 1
-    world_size = parallel_config.world_size if parallel_config else 0
+    """The global ranks of each data-parallel replica when vLLM's world spans replicas,
+    which vLLM 0.32 builds for a mixture-of-experts model under ``-dp > 1``
+    (``init_distributed_environment`` numbers replica r's ranks from ``r * world_size``);
+    otherwise none (a dense model's replicas each have a world of their own)."""
+    dp = getattr(parallel_config, "data_parallel_size", 1)
     if dp <= 1:
         return []
-    return [list(range(r * world_size, (r + 1) * world_size)) for r in range(dp)]
+    size = parallel_config.world_size
+    return [list(range(r * size, (r + 1) * size)) for r in range(dp)]
 
 
 def open_world_channel(spec: ChannelSpec,
@@ -572,10 +572,8 @@ def open_world_channel(spec: ChannelSpec,
 
     world = get_world_group()
     replicas = replica_ranks(parallel_config)
-    if not replicas:
-        ranks, cpu_group, device_group, device = (world.ranks, world.cpu_group,
-                                                  world.device_group, world.device)
-    else:
+    ranks, cpu_group, device_group = world.ranks, world.cpu_group, world.device_group
+    if replicas:
         from keepalive_executor.config import group_timeout_s
 
         cpu_timeout, _ = group_timeout_s("cpu", parallel_config, "gloo")
@@ -590,16 +588,19 @@ def open_world_channel(spec: ChannelSpec,
                                  is None else timedelta(seconds=device_timeout))
             if me in r:
                 ranks, cpu_group, device_group = r, cpu, dev
-        device = world.device
     if spec.transport == "cpu":
         group, device = cpu_group, torch.device("cpu")
     else:
-        group = device_group
+        group, device = device_group, world.device
         if device.type == "cuda":  # NCCL/RCCL: a communicator of its own, CTA-limited
             from keepalive_executor import nccl
 
-            own = [nccl.channel_group(r, spec.group_timeout_s) for r in (replicas or [ranks])]
-            group = own[(replicas or [ranks]).index(ranks)] or group
+            own = None
+            for r in replicas or [ranks]:  # every replica's, in order (see above)
+                made = nccl.channel_group(r, spec.group_timeout_s)
+                if r == ranks:
+                    own = made
+            group = own or group
     channel = BroadcastChannel(
         group, src=ranks[0], device=device, inline_bytes=spec.inline_bytes,
         max_payload_bytes=spec.max_payload_bytes,

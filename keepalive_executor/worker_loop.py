@@ -88,7 +88,6 @@ def receive_loop(
     *,
     rank: int,
     world_size: int,
-    src: int = 0,
     run: Any = run_request,
     output: Any = None,
 ) -> int:
@@ -128,7 +127,7 @@ def receive_loop(
         if call.replies is not Replies.DRIVER:
             if call.replies is Replies.STEP:
                 reply = RpcReply(rank=rank, ok=True, value=step_reply(reply.value))
-            gather_replies(reply, reply_group, dst=src, world_size=world_size)
+            gather_replies(reply, reply_group, dst=channel.src, world_size=world_size)
 
 
 def _run_output_step(worker: Any, req: RpcRequest, rank: int, run: Any, output: Any) -> None:
@@ -276,7 +275,7 @@ def run_worker(
             output = OutputSender(output, bind_thread=partial(_bind_device, wrapper))
         on_ready()
         receive_loop(wrapper, channel, reply_group, rank=rank, world_size=world_size,
-                     src=channel.src, output=output)
+                     output=output)
         if output is not None:
             output.close()
         code = exit_codes.OK

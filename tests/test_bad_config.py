@@ -6,7 +6,6 @@ through the same front-end path (vLLM's serve argument parser, ``create_engine_c
 ``Executor.get_class``, which our plugin wraps) in one interpreter, which is much faster."""
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,18 +59,13 @@ BASE_ARGS = ["-tp", "2", "--distributed-executor-backend", "keepalive",
 
 
 def tiny_moe_config(directory: Path, tiny_model: str) -> str:
-    """A tiny Mixtral's config and the tiny model's tokenizer, no weights: what vLLM's front
-    end reads (is_moe) before any engine starts."""
-    from transformers import MixtralConfig
+    """The tiny Mixtral's config (tests/tiny_moe.py) and the tiny model's tokenizer, no
+    weights: what vLLM's front end reads (is_moe) before any engine starts."""
+    from tiny_moe import copy_tokenizer, tiny_moe_config
 
     directory.mkdir(parents=True, exist_ok=True)
-    for f in Path(tiny_model).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
-            shutil.copy(f, directory)
-    MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                  num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
-                  tie_word_embeddings=False).save_pretrained(directory)
+    copy_tokenizer(tiny_model, directory)
+    tiny_moe_config().save_pretrained(directory)
     return str(directory)
 
 

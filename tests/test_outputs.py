@@ -212,6 +212,8 @@ def test_a_failed_send_stops_the_sender_and_the_receive_loop_learns_at_its_next_
 class OneShotChannel:
     """The messages a receiver gets: the given requests, then SHUTDOWN."""
 
+    src = 0  # the sender's global rank (where replies are gathered)
+
     def __init__(self, requests: list[RpcRequest]) -> None:
         self.messages = [Message(MessageKind.PAYLOAD, i + 1, encode_request(r))
                          for i, r in enumerate(requests)]

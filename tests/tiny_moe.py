@@ -13,12 +13,31 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["build_tiny_moe", "DEFAULT_MOE_DIR"]
+__all__ = ["build_tiny_moe", "tiny_moe_config", "copy_tokenizer", "DEFAULT_MOE_DIR"]
 
 DEFAULT_MOE_DIR = Path(
     os.environ.get("KEEPALIVE_TINY_MOE_DIR", "~/.cache/keepalive-executor/tiny-mixtral")
 ).expanduser()
+
+
+def tiny_moe_config() -> Any:
+    """The tiny Mixtral's transformers config."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=1, dtype="float32")
+
+
+def copy_tokenizer(src: str | os.PathLike[str], out: Path) -> None:
+    """The tokenizer files of the model in SRC (the tiny Llama's) into OUT."""
+    for f in Path(src).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
+            shutil.copy(f, out)
 
 
 def build_tiny_moe(path: str | os.PathLike[str] = DEFAULT_MOE_DIR, seed: int = 0,
@@ -29,7 +48,7 @@ def build_tiny_moe(path: str | os.PathLike[str] = DEFAULT_MOE_DIR, seed: int = 0
     if marker.exists():
         return out
     import torch
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
     if tokenizer_from is None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -37,16 +56,10 @@ def build_tiny_moe(path: str | os.PathLike[str] = DEFAULT_MOE_DIR, seed: int = 0
 
         tokenizer_from = build_tiny_model()
     torch.manual_seed(seed)
-    config = MixtralConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=0, eos_token_id=1, dtype="float32")
     out.mkdir(parents=True, exist_ok=True)
-    MixtralForCausalLM(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
-    for f in Path(tokenizer_from).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
-            shutil.copy(f, out)
+    MixtralForCausalLM(tiny_moe_config()).to(torch.float32).save_pretrained(
+        out, safe_serialization=True)
+    copy_tokenizer(tokenizer_from, out)
     marker.write_text("ok\n")
     return out
 

@@ -402,18 +402,19 @@ def post_error(store: Any, env: TorchrunEnv, message: str, secret: bytes,
 ERROR_HINT = "bootstrap-is-error"
 
 
-def watch_for_error(store: Any, env: TorchrunEnv, secret_and_nonce: Any,
-                    report: Any, stop: Any, poll_s: float = 0.1) -> None:
+def watch_for_error(store: Any, env: TorchrunEnv, nonce: bytes, report: Any, stop: Any,
+                    poll_s: float = 0.1) -> None:
     """A follower's watch while it imports vLLM (many seconds on a loaded machine, longer
     than rank 0 waits for acknowledgements): once rank 0 hints that its bootstrap is an error,
-    read and check it (``secret_and_nonce()`` gives the secret and this rank's nonce) and call
-    ``report(message)``. Ends when ``stop`` is set (the main thread read the bootstrap) or on
-    any store error (the main thread's own read reports those)."""
+    read and check it (with this rank's ``nonce``) and call ``report(message)``. Ends when
+    ``stop`` is set (the main thread read the bootstrap) or on any error (the main thread's
+    own read reports those)."""
     hint = env.key(ERROR_HINT)
     try:
         while not stop.is_set():
             if store.check([hint]):
-                secret, nonce = secret_and_nonce()
+                # rank 0 signed the error: its secret exists by now
+                secret, _ = load_secret(env, wait_s=5.0)
                 key = env.key("bootstrap")
                 boot = verify(secret, key, store.get(key), env.rank, nonce)
                 if isinstance(boot, dict) and boot.get("error"):

@@ -184,20 +184,22 @@ def _follow(env: TorchrunEnv) -> int:
     read_bootstrap = threading.Event()
     reported = threading.Lock()
 
+    def acknowledge(message: str) -> bool:
+        """Say rank 0's error and tell rank 0, once, whichever thread reads it first."""
+        if not reported.acquire(blocking=False):
+            return False
+        with contextlib.suppress(Exception):
+            store.add(env.key("error-seen"), 1)
+        print(f"error: rank {env.rank} not starting: rank 0 reported: {message}",
+              file=sys.stderr, flush=True)
+        return True
+
     def report_early(message: str) -> None:
-        if reported.acquire(blocking=False):
-            with contextlib.suppress(Exception):
-                store.add(env.key("error-seen"), 1)
-            print(f"error: rank {env.rank} not starting: rank 0 reported: {message}",
-                  file=sys.stderr, flush=True)
+        if acknowledge(message):
             os._exit(exit_codes.FAILED)
 
-    def secret_and_nonce() -> tuple[bytes, bytes]:
-        return load_secret(env, wait_s=startup_timeout_s())[0], nonce
-
     threading.Thread(target=watch_for_error, name="keepalive-error-watch", daemon=True,
-                     args=(store, env, secret_and_nonce, report_early,
-                           read_bootstrap)).start()
+                     args=(store, env, nonce, report_early, read_bootstrap)).start()
     from vllm.config.logging import LoggingConfig
     from vllm.logger import configure_logging_if_needed
 
@@ -234,11 +236,7 @@ def _follow(env: TorchrunEnv) -> int:
     finally:
         read_bootstrap.set()
     if boot.get("error"):
-        if not reported.acquire(blocking=False):
-            return exit_codes.FAILED  # the watch is saying it (and ends the process)
-        with contextlib.suppress(Exception):
-            store.add(env.key("error-seen"), 1)
-        logger.error("rank %d not starting: rank 0 reported: %s", env.rank, boot["error"])
+        acknowledge(boot["error"])  # unless the watch said it (it then ends the process)
         return exit_codes.FAILED
     vllm_config = boot["vllm_config"]
     if vllm_config.parallel_config.world_size != env.world_size:
