@@ -464,17 +464,22 @@ def inprocess_rank_killed(model: str, fault_dir: str, backend: str = "keepalive"
     return result
 
 
-def pp_shutdown_in_flight(model: str, no_drain: bool = False) -> dict:
+def pp_shutdown_in_flight(model: str, fault_dir: str, no_drain: bool = False,
+                          stall_s: float = 1.5) -> dict:
     """-tp 1 -pp 2 in this process: put two batches in the pipeline as the engine's batch
     queue holds them (200-token prefills in 64-token chunks), then shut the executor down before
-    their outputs arrived. ``no_drain``: the old order (test-only switch)."""
+    their outputs arrived: rank 1 (the output rank) stalls ``stall_s`` in the first batch
+    (fault_injection ``stall_rank1``), so neither output can have arrived when shutdown
+    starts, whatever the machine's speed. ``no_drain``: the old order (test-only switch)."""
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    os.environ["KEEPALIVE_FAULT_DIR"] = fault_dir
     if no_drain:
         os.environ["_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_SHUTDOWN_DRAIN"] = "1"
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(model, 1, "keepalive", pipeline_parallel_size=2,
-                              max_num_batched_tokens=64))
+                              max_num_batched_tokens=64,
+                              worker_cls="fault_injection.FaultyCPUWorker"))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     before = len(llm.generate(PROMPTS[:2], params, use_tqdm=False))  # the pipeline works
     core = llm.llm_engine.engine_core.engine_core
@@ -482,6 +487,8 @@ def pp_shutdown_in_flight(model: str, no_drain: bool = False) -> dict:
     long_prompt = {"prompt_token_ids": [(i * 7) % 500 + 3 for i in range(200)]}
     for i in range(2):
         llm.llm_engine.add_request(f"in-flight-{i}", long_prompt, params)
+    with open(os.path.join(fault_dir, "stall_rank1"), "w") as f:
+        f.write(str(stall_s))
     core.step_with_batch_queue()  # schedules a batch and returns without waiting for it
     # a second batch, as the engine's queue (size 2) would hold it: the engine's own next
     # step would also wait for the first output, so its calls are made here instead

@@ -46,7 +46,8 @@ def failure_excerpt(text: str, tail: int = 6000) -> str:
     """What a failed start-up printed: the first error lines (the root cause, often far above
     the end of a long log) and then the log's tail."""
     lines = text.splitlines()
-    first = [ln for ln in lines if "Error" in ln or "error" in ln or "Traceback" in ln][:40]
+    first = [ln for ln in lines
+             if any(w in ln for w in ("Error", "error", "ERROR", "Traceback"))][:40]
     return "first error lines:\n" + "\n".join(first) + "\n...\nlog tail:\n" + text[-tail:]
 
 
