@@ -468,9 +468,11 @@ def pp_shutdown_in_flight(model: str, fault_dir: str, no_drain: bool = False,
                           stall_s: float = 1.5) -> dict:
     """-tp 1 -pp 2 in this process: put two batches in the pipeline as the engine's batch
     queue holds them (200-token prefills in 64-token chunks), then shut the executor down before
-    their outputs arrived: rank 1 (the output rank) stalls ``stall_s`` in the first batch
-    (fault_injection ``stall_rank1``), so neither output can have arrived when shutdown
-    starts, whatever the machine's speed. ``no_drain``: the old order (test-only switch)."""
+    their outputs arrived: rank 1 (the output rank) stalls ``stall_s`` after computing the
+    first batch, before sending its output (fault_injection ``stall_after_rank1``), and
+    shutdown starts once rank 0 has broadcast both batches; so both outputs are still to come
+    when it starts, whatever the machine's speed. ``no_drain``: the old order (test-only
+    switch)."""
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     os.environ["KEEPALIVE_FAULT_DIR"] = fault_dir
     if no_drain:
@@ -487,8 +489,9 @@ def pp_shutdown_in_flight(model: str, fault_dir: str, no_drain: bool = False,
     long_prompt = {"prompt_token_ids": [(i * 7) % 500 + 3 for i in range(200)]}
     for i in range(2):
         llm.llm_engine.add_request(f"in-flight-{i}", long_prompt, params)
-    with open(os.path.join(fault_dir, "stall_rank1"), "w") as f:
+    with open(os.path.join(fault_dir, "stall_after_rank1"), "w") as f:
         f.write(str(stall_s))
+    seq = executor._channel._next_seq  # the sequence number of the next frame
     core.step_with_batch_queue()  # schedules a batch and returns without waiting for it
     # a second batch, as the engine's queue (size 2) would hold it: the engine's own next
     # step would also wait for the first output, so its calls are made here instead
@@ -496,12 +499,19 @@ def pp_shutdown_in_flight(model: str, fault_dir: str, no_drain: bool = False,
     executor.execute_model(second, non_block=True)
     executor.sample_tokens(None, non_block=True)
     in_flight = executor._outputs.pending
+    # rank 0's driver thread broadcasts each step: shut down once both are out (a step not
+    # yet begun when shutdown starts is never sent, and its output never comes)
+    deadline = time.monotonic() + 30
+    while executor._channel._next_seq < seq + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    broadcast = executor._channel._next_seq - seq
     t0 = time.monotonic()
     executor.shutdown()
     took = time.monotonic() - t0
     codes = {w.rank: w.proc.exitcode for w in executor._ranks.workers}
     return {"before": before, "in_flight": in_flight, "batch_queue": len(core.batch_queue),
-            "shutdown_s": took, "codes": {str(k): v for k, v in codes.items()}}
+            "broadcast": broadcast, "shutdown_s": took,
+            "codes": {str(k): v for k, v in codes.items()}}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ directory named by ``KEEPALIVE_FAULT_DIR``, so a test can arm them while the ser
 * ``raise_rank0``       rank 0 (the driver) raises inside its next execute_model, after the
                         other ranks received the step
 * ``stall_rank1``       rank 1 sleeps N seconds inside its next execute_model (a stuck step)
+* ``stall_after_rank1`` rank 1 sleeps N seconds after its next execute_model returned, before
+                        its result is sent (a pipeline's last stage holding an output back)
 * ``kill_pid``          rank 0 SIGKILLs the process whose pid the file holds, inside its next
                         execute_model (after the other ranks received the step): a rank lost
                         in the middle of a step, deterministically
@@ -81,7 +83,10 @@ class FaultyCPUWorker(SlowStartCPUWorker):
             os.kill(int(pid), signal.SIGKILL)
         if self.rank == 1 and (seconds := _take("stall_rank1")) is not None:
             time.sleep(float(seconds))
-        return super().execute_model(scheduler_output)
+        out = super().execute_model(scheduler_output)
+        if self.rank == 1 and (seconds := _take("stall_after_rank1")) is not None:
+            time.sleep(float(seconds))
+        return out
 
 
 class StallingScheduler(Scheduler):

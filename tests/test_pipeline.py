@@ -171,17 +171,18 @@ def test_pp_serve_sigterm_with_8_streams_generating_exits_cleanly_within_the_bou
 @pytest.mark.parametrize("no_drain", [False, True], ids=["drain", "old-order-control"])
 def test_pp_shutdown_with_two_batches_in_flight_receives_them_then_stops_cleanly(
         tiny_model, tmp_path, no_drain):
-    """Two batches in the pipeline when the executor shuts down, their outputs held back by a
-    1.5 s stall of the output rank: shutdown receives them, so the output rank is not left
-    blocked in its send and reads SHUTDOWN. The control, the old order behind the test-only
-    switch, leaves rank 1 in its send (a gloo send waits for the receiver): SIGTERM cannot
-    reach it there, and it is SIGKILLed after the 5 s grace and 4 s more (measured 14.5 s).
-    Without the stall the old order could pass: in one CI run rank 1 had sent both outputs
-    before shutdown stopped the receiving thread (1.2 s, code 0)."""
+    """Two batches broadcast and in the pipeline when the executor shuts down, their outputs
+    held back by a 1.5 s stall of the output rank: shutdown receives them, so the output rank
+    is not left blocked in its send and reads SHUTDOWN. The control, the old order behind the
+    test-only switch, leaves rank 1 in the send of the second output (a gloo send waits for
+    the receiver): SIGTERM cannot reach it there, and it is SIGKILLed after the 5 s grace and
+    4 s more (measured 14.5 s). Without the stall and the wait for both broadcasts the old
+    order passed in CI twice (1.2 s and 1.3 s, code 0): rank 1 had sent both outputs before
+    shutdown stopped the receiving thread, or the second step was never sent."""
     res = run_script("pp_shutdown_in_flight", model=tiny_model, fault_dir=str(tmp_path),
                      no_drain=no_drain, extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     print(res)
-    assert res["before"] == 2 and res["in_flight"] == 2, res
+    assert res["before"] == 2 and res["in_flight"] == 2 and res["broadcast"] == 2, res
     if no_drain:
         assert res["codes"] == {"1": -9} and res["shutdown_s"] >= SHUTDOWN_BOUND_S, res
     else:
