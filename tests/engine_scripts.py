@@ -37,6 +37,12 @@ def engine_kwargs(model: str, tp: int, backend: str | None, **extra: Any) -> dic
     return kw
 
 
+def work_frames(executor: Any) -> int:
+    """How many frames rank 0 has broadcast that were not keepalives (steps, calls): the
+    difference of two readings counts the broadcasts in between."""
+    return executor._channel._next_seq - executor._pacer.keepalives_sent
+
+
 def set_binding(tp: int) -> None:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "0"
 
@@ -353,12 +359,11 @@ def inprocess_rpc_errors(model: str, backend: str = "keepalive", fault_dir: str 
             return execute(*args, **kwargs)
 
         executor.execute_model = counting
-        seq, keepalives = executor._channel._next_seq, executor._pacer.keepalives_sent
+        mark = work_frames(executor)
         llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16,
                                                  ignore_eos=True), use_tqdm=False)
-        frames = executor._channel._next_seq - seq
         result["steps"] = steps["n"]
-        result["step_broadcasts"] = frames - (executor._pacer.keepalives_sent - keepalives)
+        result["step_broadcasts"] = work_frames(executor) - mark
         executor.execute_model = execute
     main = sys.modules["__main__"].__dict__
     exec("def notebook_fn(worker):\n    return ('notebook', worker.rank)\n", main)
@@ -491,7 +496,7 @@ def pp_shutdown_in_flight(model: str, fault_dir: str, no_drain: bool = False,
         llm.llm_engine.add_request(f"in-flight-{i}", long_prompt, params)
     with open(os.path.join(fault_dir, "stall_after_rank1"), "w") as f:
         f.write(str(stall_s))
-    seq = executor._channel._next_seq  # the sequence number of the next frame
+    mark = work_frames(executor)
     core.step_with_batch_queue()  # schedules a batch and returns without waiting for it
     # a second batch, as the engine's queue (size 2) would hold it: the engine's own next
     # step would also wait for the first output, so its calls are made here instead
@@ -502,9 +507,9 @@ def pp_shutdown_in_flight(model: str, fault_dir: str, no_drain: bool = False,
     # rank 0's driver thread broadcasts each step: shut down once both are out (a step not
     # yet begun when shutdown starts is never sent, and its output never comes)
     deadline = time.monotonic() + 30
-    while executor._channel._next_seq < seq + 2 and time.monotonic() < deadline:
+    while work_frames(executor) < mark + 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    broadcast = executor._channel._next_seq - seq
+    broadcast = work_frames(executor) - mark
     t0 = time.monotonic()
     executor.shutdown()
     took = time.monotonic() - t0
