@@ -72,6 +72,7 @@ __all__ = [
     "ENV_FAILURE_GRACE",
     "ENV_STARTUP_TIMEOUT",
     "ENV_LIVENESS_TIMEOUT",
+    "ENV_TORCHRUN_LOCAL_WORLD_SIZE",
     "ENV_EXECUTE_TIMEOUT",
     "ENV_ASYNC_SCHEDULING",
     "ENV_NCCL_ERROR_HANDLING",
@@ -103,6 +104,10 @@ ENV_EXECUTE_TIMEOUT = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
 ENV_ASYNC_SCHEDULING = "VLLM_KEEPALIVE_ASYNC_SCHEDULING"
 ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 ADDITIONAL_CONFIG_INTERVAL = "keepalive_interval_s"
+#: torchrun's own LOCAL_WORLD_SIZE, saved by ``python -m keepalive_executor`` before vLLM
+#: runs: vLLM's CPU platform overwrites LOCAL_WORLD_SIZE with the TP size in its config check
+#: (vllm/platforms/cpu.py, 0.32), which made TP across two nodes look like one node.
+ENV_TORCHRUN_LOCAL_WORLD_SIZE = "_KEEPALIVE_TORCHRUN_LOCAL_WORLD_SIZE"
 
 #: torch.distributed's defaults (torch/distributed/constants.py: default_pg_timeout and
 #: default_pg_nccl_timeout).
@@ -367,7 +372,8 @@ def default_liveness_timeout_s(env: Mapping[str, str]) -> float:
     either side's thread up to 3.3 s (the timeout minus a beat period and a poll), and still
     notices a lost node within 6.7 s (the timeout plus two polls).
     """
-    local, world = env.get("LOCAL_WORLD_SIZE"), env.get("WORLD_SIZE")
+    local = env.get(ENV_TORCHRUN_LOCAL_WORLD_SIZE) or env.get("LOCAL_WORLD_SIZE")
+    world = env.get("WORLD_SIZE")
     if local and world and local != world:
         return DEFAULT_LIVENESS_TIMEOUT_MULTI_NODE_S
     return DEFAULT_LIVENESS_TIMEOUT_S

@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 from keepalive_executor.config import (
     DEFAULT_LIVENESS_TIMEOUT_MULTI_NODE_S,
     DEFAULT_LIVENESS_TIMEOUT_S,
+    ENV_TORCHRUN_LOCAL_WORLD_SIZE,
     KeepaliveConfigError,
     settings_from_vllm_config,
 )
+from keepalive_executor.torchrun.env import TorchrunEnv
 from keepalive_executor.torchrun.liveness import (
     BEATS_PER_TIMEOUT,
     Heartbeat,
@@ -122,6 +124,20 @@ def test_default_is_low_on_one_node_higher_across_nodes_and_the_setting_wins():
                        match=r"VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S='0' must be positive.*"
                              r"default 5\b"):
         _liveness({**across, "VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S": "0"})
+
+
+def test_across_nodes_survives_vllm_rewriting_local_world_size():
+    """vLLM's CPU platform sets LOCAL_WORLD_SIZE to the TP size in the engine's process, so
+    TP=2 over two one-rank nodes read as one node (1.5 s: seen failing a two-node start-up
+    under load in CI). torchrun's own value, saved by the CLI before vLLM runs, decides."""
+    rewritten = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}  # what vLLM leaves
+    assert _liveness({**rewritten, ENV_TORCHRUN_LOCAL_WORLD_SIZE: "1"}) == 5.0
+    assert _liveness({**rewritten, ENV_TORCHRUN_LOCAL_WORLD_SIZE: "2"}) == 1.5
+    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert not TorchrunEnv.from_environ(
+        {**torchrun, **rewritten, ENV_TORCHRUN_LOCAL_WORLD_SIZE: "1"}).one_node
+    assert TorchrunEnv.from_environ({**torchrun, **rewritten}).one_node
 
 
 # ---------------------------------------------------------------- on a real TCPStore

@@ -94,7 +94,8 @@ def test_one_node_serves_like_mp_survives_idle_and_notices_a_frozen_rank1_by_its
         assert server.health() == 200
         assert texts(ask(client)) == texts(before)
         log = server.log()
-        assert "keepalive torchrun mode: configuration published for ranks 1..1" in log
+        assert ("keepalive torchrun mode: configuration published for ranks 1..1 (one node, "
+                "heartbeat liveness timeout 1.5s)") in log
         assert "rank 1 of 2 (local rank 1) follows the driver" in log
         [rank1] = by_title(server, "KeepaliveWorker_TP1")
         rank1.suspend()
@@ -303,9 +304,12 @@ def test_two_nodes_stopping_the_driver_node_in_drain_mode_ends_node1_cleanly(tin
         server.agents[0].send_signal(signal.SIGTERM)
         codes = server.wait_agents(60)
         left = left_after(procs, 10)
-        log1 = server.log(1)
+        log0, log1 = server.log(0), server.log(1)
     finally:
         server.stop()
+    # TP across the two nodes: vLLM's CPU platform rewrites LOCAL_WORLD_SIZE to the TP size
+    # (2 = WORLD_SIZE) in the engine's process; the multi-node default must hold regardless
+    assert "(several nodes, heartbeat liveness timeout 5s)" in log0
     assert codes[1] == 0, (codes, log1[-4000:])
     assert "rank 1: SHUTDOWN from the driver" in log1
     assert left == []

@@ -42,7 +42,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from keepalive_executor import exit_codes
-from keepalive_executor.config import KeepaliveConfigError, startup_timeout_s
+from keepalive_executor.config import (
+    ENV_TORCHRUN_LOCAL_WORLD_SIZE,
+    KeepaliveConfigError,
+    startup_timeout_s,
+)
 from keepalive_executor.log import get_logger
 from keepalive_executor.torchrun.bootstrap import (
     ENV_SECRET,
@@ -307,6 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[0] != "serve":
         print(f"unknown command {args[0]!r}\n\n{USAGE}", end="", file=sys.stderr)
         return exit_codes.USAGE
+    # before vLLM rewrites it (its CPU platform sets LOCAL_WORLD_SIZE to the TP size); the
+    # engine process inherits the saved value, which decides one node or several there
+    os.environ.setdefault(ENV_TORCHRUN_LOCAL_WORLD_SIZE, os.environ.get("LOCAL_WORLD_SIZE", ""))
     try:
         env = TorchrunEnv.from_environ()
     except TorchrunError as e:

@@ -74,8 +74,10 @@ class TorchrunRanks:
                 "this deployment)"
             )
         logger.info(
-            "keepalive torchrun mode: configuration published for ranks 1..%d; joining "
-            "the process groups at %s", self.env.world_size - 1, self.init_method,
+            "keepalive torchrun mode: configuration published for ranks 1..%d (%s, heartbeat "
+            "liveness timeout %gs); joining the process groups at %s",
+            self.env.world_size - 1, "one node" if self.env.one_node else "several nodes",
+            settings.liveness_timeout_s, self.init_method,
         )
 
     def before_init_device(self) -> None:
