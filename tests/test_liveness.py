@@ -6,6 +6,7 @@ the same fault past it and sees the loss reported, so none of them can pass by n
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from keepalive_executor.config import (
 from keepalive_executor.torchrun.env import TorchrunEnv
 from keepalive_executor.torchrun.liveness import (
     BEATS_PER_TIMEOUT,
+    STALL_PERIODS,
     Heartbeat,
     LivenessCore,
     LivenessMonitor,
@@ -78,6 +80,60 @@ def test_the_store_is_lost_exactly_when_no_read_answered_for_the_timeout(steps):
         # lost on evidence: the last read that answered saw the counter still past the
         # timeout; a silent store does not make the rank lost by itself
         assert bool(core.lost(now)) == (answered - moved > TIMEOUT)
+
+
+@given(st.lists(_step, max_size=60))
+def test_the_monitors_own_stalls_count_as_one_period_and_nothing_else_changes(steps):
+    """The same steps, each a decision (tick) first: a gap of up to two periods counts in
+    full, a longer one (the monitor could not run) counts as one period. In that time the
+    verdicts are exactly those of the rule above. Gaps here reach 2 s, past the timeout."""
+    core = LivenessCore([1], TIMEOUT, now=0.0)
+    clock = monitored = answered = moved = 0.0
+    counter = 0
+    core.observe(1, counter, clock)
+    for dt, outcome in steps:
+        clock += dt
+        excused = core.tick(clock)
+        stalled = dt > STALL_PERIODS * BEAT
+        assert excused == (pytest.approx(dt - BEAT) if stalled else 0.0)
+        monitored += BEAT if stalled else dt
+        if outcome != "raise":
+            if outcome == "moved":
+                counter += 1
+                moved = monitored
+            core.observe(1, counter, clock)
+            answered = monitored
+        silent = core.store_silent(clock)
+        assert (silent is not None) == (monitored - answered > TIMEOUT + 1e-9)
+        assert bool(core.lost(clock)) == (answered - moved > TIMEOUT + 1e-9)
+
+
+def test_a_stall_of_the_monitor_is_excused_whichever_thread_runs_first_after_it():
+    """vLLM's full GC at the end of its start-up held the engine's GIL ~2 s (timeout 1.5 s).
+    Without tick() that read as a silent store (the first assertion, the old verdict); after
+    it, no verdict, whether the reader's read (rank 1's counter unchanged: its beat is late
+    too) or the decision comes first. A frozen rank is still lost, one timeout of monitored
+    time after its last move."""
+    for reader_first in (False, True):
+        core = LivenessCore([1], TIMEOUT, now=0.0)
+        for i in range(1, 5):  # beats and decisions every period until t = 1.0
+            core.tick(i * BEAT)
+            core.observe(1, i, i * BEAT)
+        now = 3.0  # the stall: nothing ran for 2 s
+        assert core.store_silent(now) == pytest.approx(2.0)  # what the old rule saw
+        if reader_first:
+            core.observe(1, 4, now)
+        assert core.tick(now) == pytest.approx(2.0 - BEAT)
+        assert core.store_silent(now) is None and core.lost(now) == []
+        # rank 1 is frozen from t = 1.0: monitored time since then is BEAT (the stall) plus
+        # the time after it, so it is lost once that passes the timeout
+        t = now
+        while t < now + TIMEOUT:
+            t += BEAT / 2
+            core.tick(t)
+            core.observe(1, 4, t)
+            assert bool(core.lost(t)) == (BEAT + (t - now) > TIMEOUT + 1e-9), t
+        assert core.lost(t)
 
 
 def test_a_blocked_store_is_silent_without_any_call_returning_and_no_rank_is_lost():
@@ -294,5 +350,66 @@ def test_a_monitor_read_that_blocks_is_noticed_only_past_the_timeout(tcp_store, 
     if fails:
         assert got and "torchrun's store has not answered" in w.lost[0][0], w.lost
         assert "(calls blocked)" in w.lost[0][0]
+    else:
+        assert not got, w.lost
+
+
+# This process holds the GIL for 2.5 s (past the 1.5 s timeout): what vLLM's full garbage
+# collection at the end of the engine's start-up does to the monitor in the engine process.
+# The driver's reads are held back from 0.15 s before the stall to 0.15 s after it, so that
+# no read can answer first when the GIL comes back (the control would otherwise depend on
+# which thread takes the GIL first). Control: the same without LivenessCore.tick (the rule
+# before it): 2.5 s without an answer, a false verdict. With it: ~0.8 s of monitored time.
+_GIL_HELD = [pytest.param(False, id="monitor-stall-excused"),
+             pytest.param(True, id="negative-control-stall-counted")]
+
+
+class HeldStore:
+    """A real TCPStore client whose ``add`` waits (GIL released) while ``held`` is set."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.held = threading.Event()
+
+    def add(self, k: str, v: int) -> int:
+        while self.held.is_set():
+            time.sleep(0.01)
+        return self._inner.add(k, v)
+
+
+@pytest.mark.parametrize("control", _GIL_HELD)
+def test_the_monitors_process_holding_the_gil_past_the_timeout_is_no_loss(tcp_store,
+                                                                        monkeypatch, control):
+    if control:
+        monkeypatch.setattr(LivenessCore, "tick", lambda self, now: 0.0)
+    _, _, client = tcp_store
+    usleep = ctypes.PyDLL(None).usleep  # a PyDLL call keeps the GIL for its whole length
+    reads = HeldStore(client())
+    ticks: list[float] = []
+
+    def ticker() -> None:
+        for _ in range(200):
+            ticks.append(time.monotonic())
+            time.sleep(0.02)
+
+    with Watch(client(), reads) as w:
+        time.sleep(1.0)
+        t = threading.Thread(target=ticker)
+        t.start()
+        reads.held.set()
+        time.sleep(0.15)
+        held_from = time.monotonic()
+        usleep(2_500_000)
+        held_to = time.monotonic()
+        time.sleep(0.15)
+        reads.held.clear()
+        got = w.got.wait(3 * TIMEOUT)
+        t.join()
+    # the scenario really happened: no Python thread ran while the GIL was held
+    assert held_to - held_from >= 2.5
+    assert not [x for x in ticks if held_from + 0.1 < x < held_to - 0.1]
+    if control:
+        assert got, "the control did not fail: the stall was not past the timeout"
+        assert "torchrun's store has not answered" in w.lost[0][0], w.lost
     else:
         assert not got, w.lost

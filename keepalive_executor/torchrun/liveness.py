@@ -26,6 +26,20 @@ read has answered for the timeout. The decision runs in its own thread because a
 call can block indefinitely (seen here: ``add`` on a SIGSTOPped server never returns), and a
 blocked reader must still be noticed. The decision is the pure :class:`LivenessCore` with an
 injectable clock.
+
+**The monitor's own stalls are not evidence.** The decision thread runs every timeout/6; a
+much longer gap between two of its decisions means this process could not run its threads:
+C calls that hold the GIL (vLLM's engine start-up: the warm-up, then a full garbage
+collection, ``freeze_gc_heap``), or a CPU starved for that long. Seen in the engine process
+of a one-node torchrun run on 2 loaded cores: gaps of 1.06 s and 0.44 s during the warm-up
+and 0.36 s just after it; in two loaded test runs before this rule, 1.85 s and 1.98 s in
+the 2 s after vLLM logged the end of its start-up, read as a silent store (1.5 s timeout),
+which failed the server. No read could be made or
+recorded meanwhile, so that time counts neither as the store's silence nor as a rank's
+stillness (:meth:`LivenessCore.tick`); a verdict needs the timeout's worth of time in which
+the monitor was running. A store call that blocks does not stall the monitor (TCPStore's
+calls release the GIL: another thread ticked every 50 ms while ``add`` on a SIGSTOPped
+server blocked), so a store that stops answering is still noticed on time.
 """
 
 from __future__ import annotations
@@ -37,10 +51,12 @@ from typing import Any
 
 from keepalive_executor.log import get_logger
 
-__all__ = ["LivenessCore", "Heartbeat", "LivenessMonitor", "BEATS_PER_TIMEOUT"]
+__all__ = ["LivenessCore", "Heartbeat", "LivenessMonitor", "BEATS_PER_TIMEOUT", "STALL_PERIODS"]
 
 logger = get_logger(__name__)
 BEATS_PER_TIMEOUT = 6
+#: A gap between two decisions longer than this many periods is the monitor's own stall.
+STALL_PERIODS = 2
 #: At most one warning per this many seconds for repeated store errors (a flaky link would
 #: otherwise log six lines per timeout, forever).
 ERROR_LOG_INTERVAL_S = 10.0
@@ -61,9 +77,30 @@ class LivenessCore:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.timeout_s = timeout_s
+        #: how often the monitor decides; a gap over STALL_PERIODS of these is a stall
+        self.period_s = timeout_s / BEATS_PER_TIMEOUT
+        self._last_tick = now
         # rank -> (last value read, when it was first read, when it was last read)
         self._seen: dict[int, tuple[int | None, float, float]] = {
             r: (None, now, now) for r in ranks}
+
+    def tick(self, now: float) -> float:
+        """A decision is about to be made at ``now``; returns the seconds excused.
+
+        Decisions come every ``period_s``. If more than ``STALL_PERIODS`` periods passed
+        since the last one, the monitor itself was stalled for all but one period of the
+        gap: every mark (first and last read of each rank) moves forward by that much, never
+        past ``now``, so the stall counts neither as silence nor as stillness.
+        """
+        gap, self._last_tick = now - self._last_tick, now
+        if gap <= STALL_PERIODS * self.period_s:
+            return 0.0
+        excused = gap - self.period_s
+        self._seen = {
+            r: (value, min(since + excused, now), min(read + excused, now))
+            for r, (value, since, read) in self._seen.items()
+        }
+        return excused
 
     def observe(self, rank: int, value: int, now: float) -> None:
         """A read of rank ``rank``'s counter answered ``value`` at ``now``."""
@@ -211,10 +248,16 @@ class LivenessMonitor(_Periodic):
             if self._stop.is_set():
                 return False
             now = self._clock()
+            excused = self._core.tick(now)
             silent = self._core.store_silent(now)
             lost = self._core.lost(now)
             if silent is not None or lost:
                 self._stop.set()  # both threads end; on_lost runs once, below
+        if excused >= self._core.timeout_s / 2:
+            logger.warning(
+                "keepalive liveness: this process ran no heartbeat check for %.2fs (a C call "
+                "holding the GIL, e.g. a full garbage collection, or a starved CPU); that "
+                "time is not counted against torchrun's store or any rank", excused)
         if silent is not None:
             cause = f"; last error: {self._last_error}" if self._last_error else \
                 " (calls blocked)"
