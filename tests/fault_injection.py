@@ -38,6 +38,10 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 
 def _take(name: str) -> str | None:
+    """The armed fault's content, removing it; None if not armed. Every fault is armed with
+    some content, and a test arms it with ``Path.write_text``, which creates the file before
+    writing it: an empty file is one still being written, not yet armed (a step that read
+    it then got '' and failed on ``float('')`` in a fresh-clone run)."""
     d = os.environ.get("KEEPALIVE_FAULT_DIR")
     if not d:
         return None
@@ -45,10 +49,12 @@ def _take(name: str) -> str | None:
     try:
         with open(path) as f:
             content = f.read()
-        os.unlink(path)
-        return content
     except FileNotFoundError:
         return None
+    if not content:
+        return None
+    os.unlink(path)
+    return content
 
 
 class SlowStartCPUWorker(CPUWorker):
