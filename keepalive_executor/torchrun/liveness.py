@@ -34,12 +34,12 @@ collection, ``freeze_gc_heap``), or a CPU starved for that long. Seen in the eng
 of a one-node torchrun run on 2 loaded cores: gaps of 1.06 s and 0.44 s during the warm-up
 and 0.36 s just after it; in two loaded test runs before this rule, 1.85 s and 1.98 s in
 the 2 s after vLLM logged the end of its start-up, read as a silent store (1.5 s timeout),
-which failed the server. No read could be made or
-recorded meanwhile, so that time counts neither as the store's silence nor as a rank's
-stillness (:meth:`LivenessCore.tick`); a verdict needs the timeout's worth of time in which
-the monitor was running. A store call that blocks does not stall the monitor (TCPStore's
-calls release the GIL: another thread ticked every 50 ms while ``add`` on a SIGSTOPped
-server blocked), so a store that stops answering is still noticed on time.
+which failed the server. No read could be made or recorded meanwhile, so that time counts
+neither as the store's silence nor as a rank's stillness (:meth:`LivenessCore.tick`); a
+verdict needs the timeout's worth of time in which the monitor was running. A store call
+that blocks does not stall the monitor (TCPStore's calls release the GIL: another thread
+ticked every 50 ms while ``add`` on a SIGSTOPped server blocked), so a store that stops
+answering is still noticed on time.
 """
 
 from __future__ import annotations
