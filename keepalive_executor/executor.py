@@ -32,6 +32,7 @@ error path ends the engine. The executor never ends a process.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import time
 import weakref
@@ -89,6 +90,9 @@ _TEST_NO_SHUTDOWN_DRAIN_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_SHUTDOWN_DRAIN"
 #: How long shutdown waits for the channel (a step finishing, the SHUTDOWN broadcast), and
 #: for each of rank 0's own clean-up calls.
 SHUTDOWN_SEND_S = 5.0
+#: After a step timeout, how long the workers get to write their stacks before they are
+#: stopped (faulthandler writes from the signal handler: milliseconds).
+STACK_DUMP_WAIT_S = 0.5
 STARTUP_TIMEOUT_SOURCE = "VLLM_KEEPALIVE_STARTUP_TIMEOUT_S"
 
 
@@ -295,6 +299,13 @@ class KeepaliveExecutor(Executor):
             callback()
 
     def _on_step_timeout(self, step: StepInProgress) -> None:
+        # Where each rank is stuck is the first thing anyone will ask: rank 0's stacks now,
+        # the workers' from their own signal handler, before failing stops them.
+        logger.error("keepalive executor: %s outlived its timeout; every rank's Python "
+                     "stacks follow (rank 0 first)", step.name)
+        faulthandler.dump_traceback(all_threads=True)
+        if self._ranks is not None and self._ranks.dump_stacks():
+            time.sleep(STACK_DUMP_WAIT_S)
         self._fail(
             f"{step.name} did not return within {step.timeout_s:g}s ({step.timeout_source}); "
             "rank 0 is stuck in it"

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -31,7 +32,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from keepalive_executor.log import get_logger
+from keepalive_executor.log import STACK_DUMP_SIGNAL, get_logger
 
 __all__ = [
     "WorkerHandle", "spawn_worker", "wait_for_ready", "WorkerMonitor", "stop_workers",
@@ -299,6 +300,16 @@ class SpawnedRanks:
 
     def tell_error(self, message: str) -> None:
         """Nothing to tell: stop() ends the workers."""
+
+    def dump_stacks(self) -> int:
+        """Every live worker writes its Python stacks to the log (it goes on running)."""
+        asked = 0
+        for w in self.workers:
+            if w.proc.is_alive() and w.proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.proc.pid, STACK_DUMP_SIGNAL)
+                    asked += 1
+        return asked
 
     def kill(self) -> None:
         """SIGKILL every worker now."""

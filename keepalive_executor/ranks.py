@@ -55,6 +55,11 @@ class Ranks(Protocol):
     def tell_error(self, message: str) -> None:
         """Rank 0 will not start: let the waiting ranks exit with ``message``."""
 
+    def dump_stacks(self) -> int:
+        """Have every other rank this process can reach write its Python stacks to its log
+        (a step outlived its timeout; what each rank is doing is the first question); return
+        how many were asked."""
+
     def kill(self) -> None:
         """End every rank this process owns now (the engine process is about to end)."""
 

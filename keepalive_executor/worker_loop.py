@@ -42,7 +42,7 @@ from keepalive_executor.channel import (
 )
 from keepalive_executor.connectors import step_reply
 from keepalive_executor.driver import resolve_output
-from keepalive_executor.log import get_logger
+from keepalive_executor.log import get_logger, register_stack_dump
 from keepalive_executor.outputs import OutputSender, open_output_link
 from keepalive_executor.rpc import (
     Replies,
@@ -342,6 +342,7 @@ def worker_main(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    register_stack_dump()
     _watch_parent(death_pipe, shutting_down)
 
     name_process(rank, worker_kwargs["vllm_config"].parallel_config)

@@ -192,6 +192,9 @@ def make_driver(trace: Trace) -> DriverRank:
 class FakeRanks:
     init_method = "fake://"
 
+    def dump_stacks(self) -> int:
+        return 0
+
     def kill(self) -> None:
         pass
 

@@ -227,6 +227,19 @@ def test_a_step_past_the_execute_timeout_fails_the_executor_clearly(pool):
         log = server.log()
         assert ("execute_model did not return within 10s (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)"
                 in log), log[-3000:]
+        # every rank's stacks are in the log: rank 1's shows where it is stuck (the stall's
+        # sleep in the fault injection), rank 0's where it waits (its collective)
+        assert "outlived its timeout; every rank's Python stacks follow" in log
+        assert f'fault_injection.py", line {_line_of("time.sleep(float(seconds))")} in ' \
+               "execute_model" in log, log[-6000:]
+        assert f'fault_injection.py", line {_line_of("out = super().execute_model(")} in ' \
+               "execute_model" in log, log[-6000:]
     finally:
         server.stop()
     assert left_after(tree, 10) == []
+
+
+def _line_of(code: str) -> int:
+    """The (first) line of tests/fault_injection.py holding ``code``."""
+    lines = (Path(__file__).parent / "fault_injection.py").read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if code in line)

@@ -47,7 +47,7 @@ from keepalive_executor.config import (
     KeepaliveConfigError,
     startup_timeout_s,
 )
-from keepalive_executor.log import get_logger
+from keepalive_executor.log import get_logger, register_stack_dump
 from keepalive_executor.torchrun.bootstrap import (
     ENV_SECRET,
     ENV_SECRET_FILE,
@@ -175,6 +175,7 @@ def _follow(env: TorchrunEnv) -> int:
     # for the nonces only ERROR_NONCE_WAIT_S; a nonce later than that makes the error stale
     # to this rank, which then cannot say why rank 0 failed.
     set_parent_death_signal(signal.SIGKILL)
+    register_stack_dump()  # SIGUSR1: this rank's stacks to its log (a step stuck on rank 0)
     try:
         store = connect_store(env)
         nonce = post_nonce(store, env)

@@ -109,6 +109,14 @@ class TorchrunRanks:
         )
         self._monitor.start()
 
+    def dump_stacks(self) -> int:
+        """The followers are torchrun's processes, maybe on other nodes: this process cannot
+        signal them. Each registered the stack-dump signal; say how to use it."""
+        logger.error(
+            "keepalive: for the other ranks' stacks, send SIGUSR1 to each rank's process on "
+            "its node (it writes every thread's stack to its log and goes on)")
+        return 0
+
     def tell_error(self, message: str) -> None:
         """Post rank 0's start-up error, so every waiting rank exits saying why."""
         try:
