@@ -84,6 +84,7 @@ __all__ = [
     "validate_interval",
     "default_interval",
     "default_liveness_timeout_s",
+    "torchrun_local_world_size",
     "group_timeout_s",
     "startup_timeout_s",
     "async_scheduling_opt_in",
@@ -359,6 +360,12 @@ def startup_timeout_s(env: Mapping[str, str] | None = None) -> float:
     return _positive_seconds(env, ENV_STARTUP_TIMEOUT, DEFAULT_STARTUP_TIMEOUT_S)
 
 
+def torchrun_local_world_size(env: Mapping[str, str]) -> str | None:
+    """torchrun's LOCAL_WORLD_SIZE as torchrun set it: the value the CLI saved before vLLM
+    rewrote the variable (see ENV_TORCHRUN_LOCAL_WORLD_SIZE), else the variable itself."""
+    return env.get(ENV_TORCHRUN_LOCAL_WORLD_SIZE) or env.get("LOCAL_WORLD_SIZE")
+
+
 def default_liveness_timeout_s(env: Mapping[str, str]) -> float:
     """The liveness timeout when ``VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S`` is not set.
 
@@ -372,8 +379,7 @@ def default_liveness_timeout_s(env: Mapping[str, str]) -> float:
     either side's thread up to 3.3 s (the timeout minus a beat period and a poll), and still
     notices a lost node within 6.7 s (the timeout plus two polls).
     """
-    local = env.get(ENV_TORCHRUN_LOCAL_WORLD_SIZE) or env.get("LOCAL_WORLD_SIZE")
-    world = env.get("WORLD_SIZE")
+    local, world = torchrun_local_world_size(env), env.get("WORLD_SIZE")
     if local and world and local != world:
         return DEFAULT_LIVENESS_TIMEOUT_MULTI_NODE_S
     return DEFAULT_LIVENESS_TIMEOUT_S

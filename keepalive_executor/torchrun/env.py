@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from keepalive_executor.config import ENV_TORCHRUN_LOCAL_WORLD_SIZE
+from keepalive_executor.config import torchrun_local_world_size
 from keepalive_executor.log import get_logger
 
 __all__ = [
@@ -66,8 +66,7 @@ class TorchrunEnv:
                 "starts the ranks itself)"
             )
         try:
-            # torchrun's value, not vLLM's rewrite of it (see ENV_TORCHRUN_LOCAL_WORLD_SIZE)
-            local_world = env.get(ENV_TORCHRUN_LOCAL_WORLD_SIZE) or env.get("LOCAL_WORLD_SIZE")
+            local_world = torchrun_local_world_size(env)  # torchrun's, not vLLM's rewrite
             parsed = cls(
                 rank=int(env["RANK"]),
                 local_rank=int(env["LOCAL_RANK"]),

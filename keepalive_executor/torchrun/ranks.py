@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keepalive_executor.config import startup_timeout_s
-from keepalive_executor.log import get_logger
+from keepalive_executor.log import STACK_DUMP_SIGNAL, get_logger
 from keepalive_executor.torchrun.bootstrap import (
     connect_store,
     init_world_process_group,
@@ -113,8 +113,9 @@ class TorchrunRanks:
         """The followers are torchrun's processes, maybe on other nodes: this process cannot
         signal them. Each registered the stack-dump signal; say how to use it."""
         logger.error(
-            "keepalive: for the other ranks' stacks, send SIGUSR1 to each rank's process on "
-            "its node (it writes every thread's stack to its log and goes on)")
+            "keepalive: for the other ranks' stacks, send %s to each rank's process on its "
+            "node (it writes every thread's stack to its log and goes on)",
+            STACK_DUMP_SIGNAL.name)
         return 0
 
     def tell_error(self, message: str) -> None:
