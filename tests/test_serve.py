@@ -25,8 +25,8 @@ from test_faults import wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 TIMEOUT = "5"  # --distributed-timeout-seconds: the device group's timeout (default transport)
-IDLE_S = 20.0  # four times the timeout
-STALL_S = "12.5"  # two and a half times the timeout, in the engine loop, outside any step
+IDLE_S = 10.0  # two timeouts: without keepalives rank 1 would have timed out a timeout ago
+STALL_S = "10"  # two timeouts, in the engine loop, outside any step
 # Worker SIGKILL while idle -> /health fails. Observed 0.16 s (the sentinel monitor fires at
 # once); the bound leaves room for a loaded machine and fails on anything like a grace period
 # or a health-check poll.
@@ -72,8 +72,8 @@ def servers(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
 
 def test_answers_like_mp_survive_idle_and_a_stalled_loop_negative_control_dies(servers,
                                                                               reference):
-    """Both servers idle for the same four collective timeouts: keepalive's answers are mp's
-    before and after, and it survives its engine loop stalling for two and a half timeouts
+    """Both servers idle for the same two collective timeouts: keepalive's answers are mp's
+    before and after, and it survives its engine loop stalling for two timeouts
     outside any step (a slow scheduler); the negative control must fail. Both an idle engine
     and a stalled one leave the workers without any broadcast but the pacer's, so one
     control shows what the pacer does for both."""
