@@ -31,12 +31,19 @@ phase1=$(date +%s)
 phase2=$(date +%s)
 work="$(mktemp -d "${TMPDIR:-/tmp}/keepalive-tests.XXXXXX")"
 background=""
-# If this script ends early, SIGINT the background pytest: it then runs the teardowns that stop
-# its servers. (bash starts a background command with SIGINT ignored, and Python then installs
-# no handler for it: the -c wrapper installs it.)
+# The background pytest runs in a session of its own: with Linux's autogroup scheduling every
+# session competes at the niceness of its group, not of its processes, so it sets its group's
+# to 19, and the sessions its tests start carry it on (tests/procs.py keep_niceness). If this
+# script ends early it gets SIGINT and runs the teardowns that stop its servers (bash starts a
+# background command with SIGINT ignored, and Python would then install no handler for it).
 trap '[ -n "$background" ] && kill -INT "$background" 2>/dev/null; true' EXIT
-nice -n 19 "$venv/bin/python" -c 'import signal, sys, pytest
+nice -n 19 "$venv/bin/python" -c 'import os, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
+os.setsid()
+sys.path.insert(0, "tests")
+from procs import keep_niceness
+keep_niceness()
+import pytest
 sys.exit(pytest.main(sys.argv[1:]))' "${pytest[@]:3}" -m background \
   --basetemp "$work/background" tests > "$work/background.log" 2>&1 &
 background=$!

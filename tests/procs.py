@@ -7,7 +7,26 @@ import time
 
 import psutil
 
-__all__ = ["session_processes", "alive", "left_after", "tagged_processes", "name_of"]
+__all__ = ["session_processes", "alive", "left_after", "tagged_processes", "name_of",
+           "keep_niceness"]
+
+
+def keep_niceness() -> None:
+    """``preexec_fn`` of a process started in a session of its own: carry this process's
+    niceness into the new session's scheduling group. With Linux's autogroup scheduling
+    (``/proc/sys/kernel/sched_autogroup_enabled``) every session is a group of its own that
+    competes for the CPU at nice 0 whatever its processes' niceness, so a server started by a
+    test at nice 19 (scripts/test.sh's background tests) would take as much CPU as the
+    serial test beside it. Without autogroups, or if the write is refused, nothing changes.
+    Only os calls: it runs between fork and exec."""
+    try:
+        fd = os.open("/proc/self/autogroup", os.O_WRONLY)
+        try:
+            os.write(fd, str(os.getpriority(os.PRIO_PROCESS, 0)).encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def session_processes(sid: int, wait_s: float = 15.0) -> list[psutil.Process]:

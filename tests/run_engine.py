@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from procs import session_processes
+from procs import keep_niceness, session_processes
 from servers import env
 
 __all__ = ["HERE", "PYTHONPATH", "run_script", "run_scripts"]
@@ -31,7 +31,7 @@ def run_script(name: str, timeout: float = 600, extra_env: dict | None = None,
     popen = subprocess.Popen(
         [sys.executable, str(HERE / script), name, json.dumps(kwargs)],
         env=env(**(extra_env or {})), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
+        text=True, start_new_session=True, preexec_fn=keep_niceness,
     )
     try:
         stdout, stderr = popen.communicate(timeout=timeout)
