@@ -48,7 +48,9 @@ def run_script(name: str, timeout: float = 600, extra_env: dict | None = None,
         raise AssertionError(f"{name} left processes behind: {leftovers}")
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            # the JSON, and nothing after it: the script's engine processes share its stdout,
+            # and a log line of theirs once landed between the JSON and its newline
+            return json.JSONDecoder().raw_decode(line[len("RESULT "):])[0]
     raise AssertionError(
         f"{name} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     )
