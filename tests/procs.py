@@ -15,10 +15,11 @@ def keep_niceness() -> None:
     """``preexec_fn`` of a process started in a session of its own: carry this process's
     niceness into the new session's scheduling group. With Linux's autogroup scheduling
     (``/proc/sys/kernel/sched_autogroup_enabled``) every session is a group of its own that
-    competes for the CPU at nice 0 whatever its processes' niceness, so a server started by a
-    test at nice 19 (scripts/test.sh's background tests) would take as much CPU as the
-    serial test beside it. Without autogroups, or if the write is refused, nothing changes.
-    Only os calls: it runs between fork and exec."""
+    competes for the CPU at nice 0 whatever its processes' niceness, so without this the
+    servers of a suite run at low priority (``nice -n 19 bash scripts/test.sh`` on a shared
+    machine) would take as much CPU as anything else. At nice 0 it changes nothing; without
+    autogroups, or if the write is refused, nothing changes. Only os calls: it runs between
+    fork and exec."""
     try:
         fd = os.open("/proc/self/autogroup", os.O_WRONLY)
         try:

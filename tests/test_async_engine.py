@@ -4,7 +4,7 @@ collective timeout, more requests, clean shutdown with no child process left."""
 import pytest
 from run_engine import run_script
 
-pytestmark = pytest.mark.serial  # see pyproject.toml and scripts/test.sh
+pytestmark = pytest.mark.serial  # alone on the machine: see pyproject.toml
 
 TIMEOUT_S = 5
 IDLE_S = 10.0  # two 5 s timeouts: only the keepalive keeps the worker's wait alive

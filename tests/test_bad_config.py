@@ -14,9 +14,6 @@ import pytest
 from run_engine import HERE
 from servers import env
 
-# no engine starts, no time bound: beside the serial tests (scripts/test.sh)
-pytestmark = pytest.mark.background
-
 CASES = [
     ("too-large", {"VLLM_KEEPALIVE_INTERVAL_S": "100"}, [],
      ["VLLM_KEEPALIVE_INTERVAL_S=100", "at most half", "5s", "--distributed-timeout-seconds"]),

@@ -2,7 +2,7 @@
 
 import pytest
 
-pytestmark = pytest.mark.serial  # see pyproject.toml and scripts/test.sh
+pytestmark = pytest.mark.serial  # alone on the machine: see pyproject.toml
 
 TIMEOUT_S = 2.0
 IDLE_S = 10.0  # five times the collective timeout

@@ -90,7 +90,6 @@ def assert_control_failed(control: Server, request: list[dict]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.serial
-@pytest.mark.heavy
 def test_dp2_tp2_answers_like_mp_idle_replica_survives_dead_rank_ends_server_as_mp(
         tiny_model, tmp_path, reference):
     ref = reference("dp2_tp2_mp")
@@ -134,7 +133,6 @@ def test_dp2_tp2_answers_like_mp_idle_replica_survives_dead_rank_ends_server_as_
 
 
 @pytest.mark.slow
-@pytest.mark.background
 def test_dp2_tp1_answers_like_mp(tiny_model, tmp_path, reference):
     """Two replicas of one rank each: each engine core holds its rank in-process."""
     ref = reference("dp2_tp1_mp")
@@ -156,7 +154,6 @@ def test_dp2_tp1_answers_like_mp(tiny_model, tmp_path, reference):
     assert not ka.leftovers and left_after(tree, 10) == []
 
 
-@pytest.mark.background
 def test_offline_llm_with_data_parallelism_is_refused_by_vllm(tiny_model):
     """vLLM's LLM refuses data_parallel_size > 1 for every backend but external_launcher,
     before any engine starts: for mp and for keepalive alike, with its own message."""
@@ -180,7 +177,6 @@ def test_offline_llm_with_data_parallelism_is_refused_by_vllm(tiny_model):
 
 @pytest.mark.slow
 @pytest.mark.serial
-@pytest.mark.heavy
 def test_moe_dp2_tp2_answers_like_mp_through_a_dp_wave_and_idle_periods(
         tiny_model, tmp_path, reference):
     """A mixture-of-experts model (tests/tiny_moe.py): vLLM runs its replicas in one torch

@@ -6,7 +6,7 @@ import pytest
 from run_engine import run_script
 
 # one engine run for the module (scripts/test.sh: pytest-xdist, --dist loadgroup)
-pytestmark = [pytest.mark.xdist_group("executor-llm"), pytest.mark.background]
+pytestmark = pytest.mark.xdist_group("executor-llm")
 
 
 @pytest.fixture(scope="session")  # once per pytest-xdist worker (tests/test_parity.py)

@@ -31,7 +31,7 @@ from keepalive_executor.torchrun.liveness import (
     LivenessMonitor,
 )
 
-pytestmark = pytest.mark.serial  # see pyproject.toml and scripts/test.sh
+pytestmark = pytest.mark.serial  # alone on the machine: see pyproject.toml
 
 TIMEOUT = 1.5
 BEAT = TIMEOUT / BEATS_PER_TIMEOUT

@@ -22,13 +22,10 @@ from reference_calls import REFERENCES
 from run_engine import Reference, parity_call, reference_call, run_scripts, say, with_references
 
 slow = pytest.mark.slow
-# outputs only, default collective timeouts: beside the serial tests (scripts/test.sh)
-pytestmark = pytest.mark.background
-# scripts/test.sh runs these one at a time (marker `background`). Run two at a time
-# (pytest-xdist, --dist loadgroup), the tests that share an engine run are one group, so they
-# run on one worker, and the run's fixture is session-scoped, so it is not torn down when that
-# worker runs another module's test between two of them (a module-scoped one would be, and
-# the engine would run again)
+# scripts/test.sh runs these two at a time (pytest-xdist, --dist loadgroup): the tests that
+# share an engine run are one group, so they run on one worker, and the run's fixture is
+# session-scoped, so it is not torn down when that worker runs another module's test between
+# two of them (a module-scoped one would be, and the engine would run again)
 
 NO_MERGE = "keepalive-rank0-only"  # the negative control of the KV connector tests
 

@@ -5,7 +5,7 @@ import os
 import pytest
 from run_engine import HERE, run_script
 
-pytestmark = pytest.mark.serial  # see pyproject.toml and scripts/test.sh
+pytestmark = pytest.mark.serial  # alone on the machine: see pyproject.toml
 
 PYTHONPATH = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
 
