@@ -19,10 +19,11 @@ constraints="$repo/scripts/constraints.txt"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 pinned=("${pip[@]}" install -c "$constraints")
 
-# pip installs the ~150 pinned packages one after the other (about 70 s on a fresh machine
-# here); uv installs the same pinned set in seconds. uv does not read pip's configuration, so
-# it gets pip's find-links (where this machine keeps torch's CPU build), constraint files and
-# http(s) indexes. Without uv, or if it fails, or if it did not bring torch's CPU build, pip
+# pip installs the ~150 pinned packages one after the other (about 80 s on a fresh machine
+# here); uv installs the same pinned set in about a quarter of that. uv does not read pip's
+# configuration, so it gets pip's find-links (where this machine keeps torch's CPU build),
+# constraint files and http(s) indexes, from its config files and PIP_* variables alike
+# (`pip config list` reports both). Without uv, or if it fails, or if it did not bring torch's CPU build, pip
 # does the work as before. KEEPALIVE_NO_UV=1 skips uv.
 uv_args=()
 while IFS= read -r line; do
@@ -35,10 +36,7 @@ while IFS= read -r line; do
       *.extra-index-url) case "$v" in http*) uv_args+=(--extra-index-url "$v") ;; esac ;;
     esac
   done
-done < <("${pip[@]}" config list 2>/dev/null || true)
-[ -n "${PIP_FIND_LINKS:-}" ] && uv_args+=(--find-links "$PIP_FIND_LINKS")
-[ -n "${PIP_INDEX_URL:-}" ] && uv_args+=(--index-url "$PIP_INDEX_URL")
-[ -n "${PIP_EXTRA_INDEX_URL:-}" ] && uv_args+=(--extra-index-url "$PIP_EXTRA_INDEX_URL")
+done < <("$venv/bin/python" -m pip config list 2>/dev/null || true)  # not -q: it prints nothing
 have_uv() {
   [ -z "${KEEPALIVE_NO_UV:-}" ] || return 1
   [ -x "$venv/bin/uv" ] || "${pinned[@]}" uv >/dev/null 2>&1 || return 1
