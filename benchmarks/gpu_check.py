@@ -128,11 +128,14 @@ def bench(server: Server, model: str, name: str, out: Path, args: argparse.Names
 
 
 def start(model: str, out: Path, name: str, backend: str, args: argparse.Namespace,
-          extra_args: list[str] = (), extra_env: dict[str, str] | None = None) -> Server:
+          extra_args: list[str] = (), extra_env: dict[str, str] | None = None,
+          wait: bool = True) -> Server:
+    """``vllm serve`` at TP=2 with ``--serve-args``; ready unless ``wait`` is false."""
     print(f"... starting {name}", flush=True)
     server = Server(model, out / f"{name}.log", backend=backend,
                     extra_args=[*args.serve_args, *extra_args], extra_env=extra_env)
-    server.wait_ready(args.ready_timeout_s)
+    if wait:
+        server.wait_ready(args.ready_timeout_s)
     return server
 
 
@@ -190,10 +193,8 @@ def run_cpu(model: str, out: Path, args: argparse.Namespace, checks: Checks) -> 
         # The CPU-group server starts while this one is idle (its start-up is not measured,
         # and its collective timeout is vLLM's default): an idle server beside a start-up is
         # what every keepalive deployment meets, and this one must survive it as well.
-        print("... starting keepalive-cpu (beside the idle keepalive-device)", flush=True)
-        second = Server(model, out / "keepalive-cpu.log", backend="keepalive",
-                        extra_args=list(args.serve_args),
-                        extra_env={"VLLM_KEEPALIVE_TRANSPORT": "cpu"})
+        second = start(model, out, "keepalive-cpu", "keepalive", args,
+                       extra_env={"VLLM_KEEPALIVE_TRANSPORT": "cpu"}, wait=False)
         time.sleep(3 * timeout)
         after = texts(ask(server.client()))
         checks.check(f"{name}: idle for 3x the {timeout:g} s collective timeout, then the "
