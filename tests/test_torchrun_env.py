@@ -244,6 +244,32 @@ def os_mode(path):
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
+def test_a_follower_prints_rank_0s_error_before_it_acknowledges_it(store_env):
+    """Rank 0 exits once the error is acknowledged and torchrun then kills this rank: the
+    line must be written by then. The stream reads the store's acknowledgement count at the
+    moment the line is written; with the acknowledgement first (as CI once lost the line:
+    the print then waited for the GIL an importing main thread held) it reads 1, and this
+    test fails (seen, with the two statements swapped)."""
+    from keepalive_executor.torchrun.cli import say_and_acknowledge
+
+    store, env = store_env
+    key = env.key("error-seen")
+    written = []
+
+    class Stream:
+        def write(self, text):
+            if text.strip():
+                written.append((text, store.add(key, 0)))
+            return len(text)
+
+        def flush(self):
+            pass
+
+    say_and_acknowledge(store, env, "boom", out=Stream())
+    assert written == [("error: rank 1 not starting: rank 0 reported: boom", 0)]
+    assert store.add(key, 0) == 1  # and then acknowledged
+
+
 def test_error_post_waits_for_the_other_ranks_to_have_read_it(store_env):
     import threading
     import time

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from keepalive_executor import exit_codes
 from keepalive_executor.config import (
@@ -70,14 +70,14 @@ from keepalive_executor.torchrun.env import (
 )
 from keepalive_executor.torchrun.liveness import Heartbeat
 
-__all__ = ["STATUS_FILE_ENV", "record_failure", "main", "USAGE"]
+__all__ = ["STATUS_FILE_ENV", "record_failure", "say_and_acknowledge", "main", "USAGE"]
 
 logger = get_logger(__name__)
 
 #: Set on rank 0: where the executor records a failure for the exit code.
 STATUS_FILE_ENV = "KEEPALIVE_EXECUTOR_STATUS_FILE"
 #: How long rank 0 waits, after a start-up error, for the other ranks to have read it.
-ERROR_ACK_WAIT_S = 20.0
+ERROR_ACK_WAIT_S = 60.0
 
 
 # ---------------------------------------------------------------------- status file
@@ -168,6 +168,21 @@ def _run_vllm_cli(args: list[str]) -> int:
 # ---------------------------------------------------------------------- ranks 1..N-1
 
 
+def say_and_acknowledge(store: Any, env: TorchrunEnv, message: str,
+                        out: TextIO | None = None) -> None:
+    """A follower: print rank 0's start-up error, then tell rank 0 it was read.
+
+    In this order: rank 0 exits once every follower has acknowledged, and torchrun then stops
+    this rank (SIGTERM, whose default action kills a rank still importing vLLM). A line still
+    to be printed after the acknowledgement waits for the GIL, which the main thread's import
+    holds for long stretches on a loaded machine, and is lost.
+    """
+    print(f"error: rank {env.rank} not starting: rank 0 reported: {message}",
+          file=sys.stderr if out is None else out, flush=True)
+    with contextlib.suppress(Exception):
+        store.add(env.key("error-seen"), 1)
+
+
 def _follow(env: TorchrunEnv) -> int:
     """Ranks 1..N-1: take the driver's configuration and follow its broadcasts."""
     # This rank's nonce goes out before anything slow (vLLM's import takes many seconds on a
@@ -193,10 +208,7 @@ def _follow(env: TorchrunEnv) -> int:
         """Say rank 0's error and tell rank 0, once, whichever thread reads it first."""
         if not reported.acquire(blocking=False):
             return False
-        with contextlib.suppress(Exception):
-            store.add(env.key("error-seen"), 1)
-        print(f"error: rank {env.rank} not starting: rank 0 reported: {message}",
-              file=sys.stderr, flush=True)
+        say_and_acknowledge(store, env, message)
         return True
 
     def report_early(message: str) -> None:
