@@ -270,6 +270,53 @@ def test_a_follower_prints_rank_0s_error_before_it_acknowledges_it(store_env):
     assert store.add(key, 0) == 1  # and then acknowledged
 
 
+def test_the_second_reader_of_rank_0s_error_returns_only_after_the_first_has_said_it(
+        store_env):
+    """A follower reads rank 0's error on two threads (the watch during vLLM's import, the
+    main thread after it). The main thread exits the process once it returns, so it must not
+    return while the watch is still printing. Here the watch's write blocks until released:
+    the main thread's call is still waiting 0.5 s later, then returns False once the line is
+    out, and the line and the acknowledgement each happened once. Negative control (seen):
+    with the first-come lock taken without blocking, as before, the second call returned at
+    once and this test failed."""
+    import threading
+
+    from keepalive_executor.torchrun.cli import StartErrorReport
+
+    store, env = store_env
+    key = env.key("error-seen")
+    writing, release = threading.Event(), threading.Event()
+    lines = []
+
+    class Stream:
+        def write(self, text):
+            if text.strip():
+                writing.set()
+                assert release.wait(10)
+                lines.append(text)
+            return len(text)
+
+        def flush(self):
+            pass
+
+    report = StartErrorReport(store, env, out=Stream())
+    first: list = []
+    watch = threading.Thread(target=lambda: first.append(report.report("boom")))
+    watch.start()
+    assert writing.wait(10)  # the watch is inside its print
+    second: list = []
+    main = threading.Thread(target=lambda: second.append(report.report("boom")))
+    main.start()
+    main.join(0.5)
+    assert main.is_alive() and second == []  # still waiting for the watch's line
+    release.set()
+    watch.join(10)
+    main.join(10)
+    assert first == [True] and second == [False]
+    assert lines == ["error: rank 1 not starting: rank 0 reported: boom"]
+    assert store.add(key, 0) == 1
+
+
 def test_error_post_waits_for_the_other_ranks_to_have_read_it(store_env):
     import threading
     import time

@@ -70,7 +70,8 @@ from keepalive_executor.torchrun.env import (
 )
 from keepalive_executor.torchrun.liveness import Heartbeat
 
-__all__ = ["STATUS_FILE_ENV", "record_failure", "say_and_acknowledge", "main", "USAGE"]
+__all__ = ["STATUS_FILE_ENV", "record_failure", "say_and_acknowledge", "StartErrorReport", "main",
+           "USAGE"]
 
 logger = get_logger(__name__)
 
@@ -183,6 +184,33 @@ def say_and_acknowledge(store: Any, env: TorchrunEnv, message: str,
         store.add(env.key("error-seen"), 1)
 
 
+class StartErrorReport:
+    """A follower's report of rank 0's start-up error, made once by whichever of its two
+    readers (the watch thread during vLLM's import, the main thread after it) comes first.
+
+    The second caller waits until the first has printed and acknowledged: were it to return
+    at once, the main thread would end the process (it exits 1) while the watch thread is
+    still printing, and the line would be lost with the unfinished daemon thread.
+    """
+
+    def __init__(self, store: Any, env: TorchrunEnv, out: TextIO | None = None) -> None:
+        self._store = store
+        self._env = env
+        self._out = out
+        self._lock = threading.Lock()
+        self._done = False
+
+    def report(self, message: str) -> bool:
+        """Print and acknowledge ``message``; False (once the first call is complete) if a
+        call before this one already did."""
+        with self._lock:
+            if self._done:
+                return False
+            say_and_acknowledge(self._store, self._env, message, self._out)
+            self._done = True
+            return True
+
+
 def _follow(env: TorchrunEnv) -> int:
     """Ranks 1..N-1: take the driver's configuration and follow its broadcasts."""
     # This rank's nonce goes out before anything slow (vLLM's import takes many seconds on a
@@ -202,17 +230,10 @@ def _follow(env: TorchrunEnv) -> int:
     # vLLM's import below can take longer on a loaded machine: a watch reads an error as soon
     # as rank 0 posts it, says why, acknowledges and ends this process.
     read_bootstrap = threading.Event()
-    reported = threading.Lock()
-
-    def acknowledge(message: str) -> bool:
-        """Say rank 0's error and tell rank 0, once, whichever thread reads it first."""
-        if not reported.acquire(blocking=False):
-            return False
-        say_and_acknowledge(store, env, message)
-        return True
+    start_error = StartErrorReport(store, env)
 
     def report_early(message: str) -> None:
-        if acknowledge(message):
+        if start_error.report(message):
             os._exit(exit_codes.FAILED)
 
     threading.Thread(target=watch_for_error, name="keepalive-error-watch", daemon=True,
@@ -253,7 +274,7 @@ def _follow(env: TorchrunEnv) -> int:
     finally:
         read_bootstrap.set()
     if boot.get("error"):
-        acknowledge(boot["error"])  # unless the watch said it (it then ends the process)
+        start_error.report(boot["error"])  # unless the watch said it (then it waits for it)
         return exit_codes.FAILED
     vllm_config = boot["vllm_config"]
     if vllm_config.parallel_config.world_size != env.world_size:
