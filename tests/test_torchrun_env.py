@@ -317,6 +317,29 @@ def test_the_second_reader_of_rank_0s_error_returns_only_after_the_first_has_sai
     assert store.add(key, 0) == 1
 
 
+@pytest.mark.parametrize("nonce_posted", [False, True], ids=["no-nonce", "control-nonce"])
+def test_an_error_waits_for_no_acknowledgement_from_a_rank_that_cannot_read_it(store_env,
+                                                                              nonce_posted):
+    """A follower whose nonce was not there when the error was signed refuses the error as
+    stale and never acknowledges it: rank 0 does not wait for it (it used to wait the whole
+    bound). Control: the same rank with its nonce posted, which does not acknowledge either,
+    is waited for until the bound."""
+    import time
+
+    from keepalive_executor.torchrun.bootstrap import post_error, post_nonce
+
+    store, env = store_env
+    if nonce_posted:
+        post_nonce(store, env)
+    t0 = time.monotonic()
+    assert post_error(store, env, "boom", SECRET, wait_s=3, nonce_wait_s=0.2)
+    waited = time.monotonic() - t0
+    if nonce_posted:
+        assert waited >= 3
+    else:
+        assert waited < 2
+
+
 def test_error_post_waits_for_the_other_ranks_to_have_read_it(store_env):
     import threading
     import time

@@ -357,12 +357,19 @@ def post_bootstrap(store: Any, env: TorchrunEnv, payload: dict[str, Any], secret
     Waits (up to ``nonce_wait_s``) for every follower's nonce first and signs them in; see
     :func:`wait_nonces` for ``partial``.
     """
+    return _post_bootstrap(store, env, payload, secret, nonce_wait_s, partial=partial) > 0
+
+
+def _post_bootstrap(store: Any, env: TorchrunEnv, payload: dict[str, Any], secret: bytes,
+                    nonce_wait_s: float, *, partial: bool) -> int:
+    """:func:`post_bootstrap`, returning 0 if something was there first, else 1 + the number
+    of followers whose nonces were signed in (the ranks that can accept it)."""
     nonces = wait_nonces(store, env, nonce_wait_s, partial=partial)
     if store.add(env.key("bootstrap-claim"), 1) != 1:
-        return False
+        return 0
     key = env.key("bootstrap")
     store.set(key, sign(secret, key, {"version": BOOTSTRAP_VERSION, **payload}, nonces))
-    return True
+    return 1 + sum(1 for n in nonces if n != bytes(NONCE_BYTES))
 
 
 def post_error(store: Any, env: TorchrunEnv, message: str, secret: bytes,
@@ -371,12 +378,16 @@ def post_error(store: Any, env: TorchrunEnv, message: str, secret: bytes,
 
     Signed like the configuration, with the followers' nonces (waiting up to
     ``nonce_wait_s`` for them; a rank that posted none by then refuses it as stale, and
-    fails on its own). With ``wait_s``, wait that long for every other rank to say it has
-    read the error: torchrun stops the remaining ranks as soon as rank 0 exits, and each
+    fails on its own). With ``wait_s``, wait that long for every rank signed in to say it
+    has read the error: torchrun stops the remaining ranks as soon as rank 0 exits, and each
     should have printed why first.
     """
-    posted = post_bootstrap(store, env, {"error": message}, secret, nonce_wait_s,
-                            partial=True)
+    result = _post_bootstrap(store, env, {"error": message}, secret, nonce_wait_s,
+                             partial=True)
+    posted = result > 0
+    # who can read it: the followers signed in (one whose nonce came later refuses the error
+    # as stale and fails on its own, so it never acknowledges), or all when another posted it
+    readers = result - 1 if posted else env.world_size - 1
     if not posted:
         key = env.key("bootstrap")
         with contextlib.suppress(Exception):
@@ -392,7 +403,7 @@ def post_error(store: Any, env: TorchrunEnv, message: str, secret: bytes,
     store.set(env.key(ERROR_HINT), b"1")
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        if store.add(env.key("error-seen"), 0) >= env.world_size - 1:
+        if store.add(env.key("error-seen"), 0) >= readers:
             break
         time.sleep(0.1)
     return posted
