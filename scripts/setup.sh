@@ -23,8 +23,8 @@ pinned=("${pip[@]}" install -c "$constraints")
 # here); uv installs the same pinned set in about a quarter of that. uv does not read pip's
 # configuration, so it gets pip's find-links (where this machine keeps torch's CPU build),
 # constraint files and http(s) indexes, from its config files and PIP_* variables alike
-# (`pip config list` reports both). Without uv, or if it fails, or if it did not bring torch's CPU build, pip
-# does the work as before. KEEPALIVE_NO_UV=1 skips uv.
+# (`pip config list` reports both). Without uv, or if it fails, or if it did not bring
+# torch's CPU build, pip does the work as before. KEEPALIVE_NO_UV=1 skips uv.
 uv_args=()
 while IFS= read -r line; do
   key="${line%%=*}"; value="${line#*=}"; value="${value#\'}"; value="${value%\'}"

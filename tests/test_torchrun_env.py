@@ -247,10 +247,10 @@ def os_mode(path):
 def test_a_follower_prints_rank_0s_error_before_it_acknowledges_it(store_env):
     """Rank 0 exits once the error is acknowledged and torchrun then kills this rank: the
     line must be written by then. The stream reads the store's acknowledgement count at the
-    moment the line is written; with the acknowledgement first (as CI once lost the line:
-    the print then waited for the GIL an importing main thread held) it reads 1, and this
-    test fails (seen, with the two statements swapped)."""
-    from keepalive_executor.torchrun.cli import say_and_acknowledge
+    moment the line is written; with the acknowledgement first (one way a CI run could have
+    lost the line: the print then waited for the GIL an importing main thread held) it reads
+    1, and this test fails (seen, with the two statements swapped)."""
+    from keepalive_executor.torchrun.cli import StartErrorReport
 
     store, env = store_env
     key = env.key("error-seen")
@@ -265,7 +265,7 @@ def test_a_follower_prints_rank_0s_error_before_it_acknowledges_it(store_env):
         def flush(self):
             pass
 
-    say_and_acknowledge(store, env, "boom", out=Stream())
+    assert StartErrorReport(store, env, out=Stream()).report("boom")
     assert written == [("error: rank 1 not starting: rank 0 reported: boom", 0)]
     assert store.add(key, 0) == 1  # and then acknowledged
 

@@ -357,19 +357,19 @@ def post_bootstrap(store: Any, env: TorchrunEnv, payload: dict[str, Any], secret
     Waits (up to ``nonce_wait_s``) for every follower's nonce first and signs them in; see
     :func:`wait_nonces` for ``partial``.
     """
-    return _post_bootstrap(store, env, payload, secret, nonce_wait_s, partial=partial) > 0
+    return _post_bootstrap(store, env, payload, secret, nonce_wait_s, partial=partial) is not None
 
 
 def _post_bootstrap(store: Any, env: TorchrunEnv, payload: dict[str, Any], secret: bytes,
-                    nonce_wait_s: float, *, partial: bool) -> int:
-    """:func:`post_bootstrap`, returning 0 if something was there first, else 1 + the number
+                    nonce_wait_s: float, *, partial: bool) -> int | None:
+    """:func:`post_bootstrap`, returning None if something was there first, else the number
     of followers whose nonces were signed in (the ranks that can accept it)."""
     nonces = wait_nonces(store, env, nonce_wait_s, partial=partial)
     if store.add(env.key("bootstrap-claim"), 1) != 1:
-        return 0
+        return None
     key = env.key("bootstrap")
     store.set(key, sign(secret, key, {"version": BOOTSTRAP_VERSION, **payload}, nonces))
-    return 1 + sum(1 for n in nonces if n != bytes(NONCE_BYTES))
+    return sum(1 for n in nonces if n != bytes(NONCE_BYTES))
 
 
 def post_error(store: Any, env: TorchrunEnv, message: str, secret: bytes,
@@ -382,12 +382,12 @@ def post_error(store: Any, env: TorchrunEnv, message: str, secret: bytes,
     has read the error: torchrun stops the remaining ranks as soon as rank 0 exits, and each
     should have printed why first.
     """
-    result = _post_bootstrap(store, env, {"error": message}, secret, nonce_wait_s,
+    signed = _post_bootstrap(store, env, {"error": message}, secret, nonce_wait_s,
                              partial=True)
-    posted = result > 0
+    posted = signed is not None
     # who can read it: the followers signed in (one whose nonce came later refuses the error
     # as stale and fails on its own, so it never acknowledges), or all when another posted it
-    readers = result - 1 if posted else env.world_size - 1
+    readers = signed if signed is not None else env.world_size - 1
     if not posted:
         key = env.key("bootstrap")
         with contextlib.suppress(Exception):

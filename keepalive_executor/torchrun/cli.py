@@ -70,8 +70,7 @@ from keepalive_executor.torchrun.env import (
 )
 from keepalive_executor.torchrun.liveness import Heartbeat
 
-__all__ = ["STATUS_FILE_ENV", "record_failure", "say_and_acknowledge", "StartErrorReport", "main",
-           "USAGE"]
+__all__ = ["STATUS_FILE_ENV", "record_failure", "StartErrorReport", "main", "USAGE"]
 
 logger = get_logger(__name__)
 
@@ -169,28 +168,18 @@ def _run_vllm_cli(args: list[str]) -> int:
 # ---------------------------------------------------------------------- ranks 1..N-1
 
 
-def say_and_acknowledge(store: Any, env: TorchrunEnv, message: str,
-                        out: TextIO | None = None) -> None:
-    """A follower: print rank 0's start-up error, then tell rank 0 it was read.
-
-    In this order: rank 0 exits once every follower has acknowledged, and torchrun then stops
-    this rank (SIGTERM, whose default action kills a rank still importing vLLM). A line still
-    to be printed after the acknowledgement waits for the GIL, which the main thread's import
-    holds for long stretches on a loaded machine, and is lost.
-    """
-    print(f"error: rank {env.rank} not starting: rank 0 reported: {message}",
-          file=sys.stderr if out is None else out, flush=True)
-    with contextlib.suppress(Exception):
-        store.add(env.key("error-seen"), 1)
-
-
 class StartErrorReport:
-    """A follower's report of rank 0's start-up error, made once by whichever of its two
-    readers (the watch thread during vLLM's import, the main thread after it) comes first.
+    """A follower's report of rank 0's start-up error: printed, then acknowledged to rank 0,
+    once, by whichever of its two readers (the watch thread during vLLM's import, the main
+    thread after it) comes first.
 
-    The second caller waits until the first has printed and acknowledged: were it to return
-    at once, the main thread would end the process (it exits 1) while the watch thread is
-    still printing, and the line would be lost with the unfinished daemon thread.
+    Print first: rank 0 exits once every follower has acknowledged, and torchrun then stops
+    this rank (SIGTERM, whose default action kills a rank still importing vLLM); a line still
+    to be printed after the acknowledgement waits for the GIL, which the main thread's import
+    holds for long stretches on a loaded machine, and is lost. The second caller waits until
+    the first is done: were it to return at once, the main thread would end the process (it
+    exits 1) while the watch thread is still printing, and the line would be lost with the
+    unfinished daemon thread.
     """
 
     def __init__(self, store: Any, env: TorchrunEnv, out: TextIO | None = None) -> None:
@@ -206,7 +195,10 @@ class StartErrorReport:
         with self._lock:
             if self._done:
                 return False
-            say_and_acknowledge(self._store, self._env, message, self._out)
+            print(f"error: rank {self._env.rank} not starting: rank 0 reported: {message}",
+                  file=sys.stderr if self._out is None else self._out, flush=True)
+            with contextlib.suppress(Exception):
+                self._store.add(self._env.key("error-seen"), 1)
             self._done = True
             return True
 
