@@ -1,5 +1,6 @@
 """The layout the package docstring and the README draw is the package's real layout."""
 
+import re
 from pathlib import Path
 
 import keepalive_executor
@@ -19,4 +20,21 @@ def test_every_module_is_in_the_package_docstring():
 def test_every_module_is_in_the_readme_layout():
     layout = README[README.index("## Layout"):]
     missing = [m for m in MODULES if f"{m}.py" not in layout]
+    assert not missing, missing
+
+
+def test_every_test_the_docs_name_exists():
+    """A test named in README.md or docs/ (`test_name`, or `test_prefix_...` for a long one)
+    is a test of tests/: a renamed test otherwise leaves the docs citing evidence that is
+    gone."""
+    tests_dir = ROOT.parent / "tests"
+    defined = {m.group(1) for p in tests_dir.rglob("*.py")
+               for m in re.finditer(r"^\s*(?:async )?def (test_\w+)", p.read_text(), re.M)}
+    docs = [ROOT.parent / "README.md", *sorted((ROOT.parent / "docs").glob("*.md"))]
+    missing = []
+    for doc in docs:
+        for m in re.finditer(r"`(test_\w+?)(_?\.\.\.)?(?:\[[^`\]]*\])?`", doc.read_text()):
+            name, abridged = m.group(1), m.group(2)
+            if not (any(d.startswith(name) for d in defined) if abridged else name in defined):
+                missing.append(f"{doc.name}: {name}")
     assert not missing, missing
