@@ -31,7 +31,10 @@ from typing import Any
 
 from keepalive_executor.log import get_logger
 
-__all__ = ["DriverRank", "is_async_output", "resolve_output", "share_binding"]
+# is_async_output: still imported from here by deferred.py until it imports it from outputs
+from keepalive_executor.outputs import is_async_output, resolve_output
+
+__all__ = ["DriverRank", "is_async_output", "share_binding"]
 
 logger = get_logger(__name__)
 
@@ -52,23 +55,6 @@ def share_binding(cpus: set[int] | None) -> None:
             os.sched_setaffinity(0, cpus)  # this thread only
     except OSError as e:  # a container may forbid it: slower, not wrong
         logger.debug("could not bind the engine thread to %s: %s", sorted(cpus), e)
-
-
-def is_async_output(value: Any) -> bool:
-    """Whether ``value`` is vLLM's ``AsyncModelRunnerOutput`` or a subclass of it (the GPU
-    runner's is ``AsyncGPUModelRunnerOutput``): an output still being copied to the host."""
-    from vllm.v1.outputs import AsyncModelRunnerOutput
-
-    return isinstance(value, AsyncModelRunnerOutput)
-
-
-def resolve_output(value: Any) -> Any:
-    """Wait for an asynchronous model output (async scheduling) and return it; any other
-    value as it is (the same object). A plain tuple holding one (the fused step's pair of
-    outputs) is resolved element by element."""
-    if type(value) is tuple and any(is_async_output(v) for v in value):
-        return tuple(resolve_output(v) for v in value)
-    return value.get_output() if is_async_output(value) else value
 
 
 class DriverRank:

@@ -1,4 +1,11 @@
-"""Pipeline parallelism: the last stage's step outputs, back to rank 0.
+"""Step outputs: resolving vLLM's asynchronous ones, and under pipeline parallelism the last
+stage's, back to rank 0.
+
+Async scheduling hands back an ``AsyncModelRunnerOutput`` still being copied to the host;
+:func:`resolve_output` waits for it wherever an output is returned (rank 0's deferred outputs,
+a worker's reply, the output link below), and :func:`is_async_output` says whether there is
+anything to wait for. Both sides use them, so they live here, below the driver and the
+receive loop.
 
 Under PP, rank 0 (the driver, first rank of the first stage) computes nothing the scheduler
 needs: a step's output (sampled tokens, logprobs) is made by the last stage, on vLLM's
@@ -48,16 +55,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from keepalive_executor.driver import resolve_output
 from keepalive_executor.lifecycle import ExecutorFailedError
 from keepalive_executor.log import get_logger
 from keepalive_executor.rpc import RpcReply, WorkerRpcError, serialize
 
-__all__ = ["output_rank", "OutputLink", "OutputReceiver", "OutputSender", "open_output_link",
-           "settle"]
+__all__ = ["is_async_output", "resolve_output", "output_rank", "OutputLink", "OutputReceiver",
+           "OutputSender", "open_output_link", "settle"]
 
 logger = get_logger(__name__)
 _LENGTH_TAG, _DATA_TAG = 1, 2
+
+
+def is_async_output(value: Any) -> bool:
+    """Whether ``value`` is vLLM's ``AsyncModelRunnerOutput`` or a subclass of it (the GPU
+    runner's is ``AsyncGPUModelRunnerOutput``): an output still being copied to the host."""
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    return isinstance(value, AsyncModelRunnerOutput)
+
+
+def resolve_output(value: Any) -> Any:
+    """Wait for an asynchronous model output (async scheduling) and return it; any other
+    value as it is (the same object). A plain tuple holding one (the fused step's pair of
+    outputs) is resolved element by element."""
+    if type(value) is tuple and any(is_async_output(v) for v in value):
+        return tuple(resolve_output(v) for v in value)
+    return value.get_output() if is_async_output(value) else value
 
 
 def output_rank(parallel_config: Any) -> int:

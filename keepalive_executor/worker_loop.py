@@ -41,9 +41,8 @@ from keepalive_executor.channel import (
     open_world_channel,
 )
 from keepalive_executor.connectors import step_reply
-from keepalive_executor.driver import resolve_output
 from keepalive_executor.log import get_logger, register_stack_dump
-from keepalive_executor.outputs import OutputSender, open_output_link
+from keepalive_executor.outputs import OutputSender, open_output_link, resolve_output
 from keepalive_executor.rpc import (
     Replies,
     RequestDecodeError,
