@@ -29,32 +29,15 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
+from keepalive_executor.binding import bind_threads, share_binding
 from keepalive_executor.log import get_logger
 
 # is_async_output: still imported from here by deferred.py until it imports it from outputs
 from keepalive_executor.outputs import is_async_output, resolve_output
 
-__all__ = ["DriverRank", "is_async_output", "share_binding"]
+__all__ = ["DriverRank", "is_async_output"]
 
 logger = get_logger(__name__)
-
-
-def share_binding(cpus: set[int] | None) -> None:
-    """Give the calling thread (the engine's) rank 0's CPUs, as it had when rank 0 ran on it.
-
-    On CPU, vLLM binds rank 0 to its share of the cores (``VLLM_CPU_OMP_THREADS_BIND``) and
-    the other ranks to theirs. The engine thread hands each call to the driver's thread and
-    then does the scheduling between steps; left unbound it floats onto the other ranks'
-    cores, and a step (whose all-reduce waits for every rank) gets slower: 3.5-4.8 ms instead
-    of 2.0-2.6 ms per decode step here (docs/benchmarks.md, "Where the time goes").
-    """
-    if not cpus or not hasattr(os, "sched_setaffinity"):
-        return
-    try:
-        if os.sched_getaffinity(0) != cpus:
-            os.sched_setaffinity(0, cpus)  # this thread only
-    except OSError as e:  # a container may forbid it: slower, not wrong
-        logger.debug("could not bind the engine thread to %s: %s", sorted(cpus), e)
 
 
 class DriverRank:
@@ -164,8 +147,6 @@ class DriverRank:
                 before_init_device: Callable[[], None]) -> set[int] | None:
         from vllm.v1.executor.vllm_net_devices import set_worker_net_device
         from vllm.v1.worker.worker_base import WorkerWrapperBase
-
-        from keepalive_executor.worker_loop import bind_threads
 
         set_worker_net_device(local_rank, vllm_config)  # NIC selection, as mp's workers do
         wrapper = WorkerWrapperBase(rpc_rank=0, global_rank=0)

@@ -54,7 +54,7 @@ from keepalive_executor.rpc import (
 
 __all__ = [
     "KEEPALIVES_RECEIVED",
-    "receive_loop", "name_process", "bind_threads", "run_worker", "worker_main",
+    "receive_loop", "name_process", "run_worker", "worker_main",
     "WorkerStepError",
 ]
 
@@ -194,29 +194,6 @@ def name_process(rank: int, parallel_config: Any = None) -> None:
     name = process_name(rank, parallel_config)
     set_process_title(name=name)
     decorate_logs(name)
-
-
-def bind_threads(vllm_config: Any, local_rank: int) -> None:
-    """On CPU, bind this process's threads to the CPUs vLLM gives ``local_rank``.
-
-    vLLM's mp executor sets OpenMP variables before it starts a worker; a process that is
-    already running (the in-process driver, a torchrun rank) binds its own thread instead,
-    before any OpenMP pool exists, and later threads inherit the mask.
-    """
-    import torch
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    from vllm.utils.ompmultiprocessing import OMPProcessManager
-
-    manager = OMPProcessManager(vllm_config)
-    if manager.skip_setup or not manager.cpu_lists:
-        return
-    cpus = manager.cpu_lists[local_rank]
-    os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(len(cpus))
-    logger.info("keepalive rank with local rank %d bound to CPUs %s", local_rank, cpus)
 
 
 def run_worker(

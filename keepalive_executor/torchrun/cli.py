@@ -233,7 +233,8 @@ def _follow(env: TorchrunEnv) -> int:
     from vllm.config.logging import LoggingConfig
     from vllm.logger import configure_logging_if_needed
 
-    from keepalive_executor.worker_loop import bind_threads, name_process, run_worker
+    from keepalive_executor.binding import bind_threads
+    from keepalive_executor.worker_loop import name_process, run_worker
 
     # vLLM's default logging until the driver's own logging configuration arrives.
     configure_logging_if_needed(LoggingConfig())
