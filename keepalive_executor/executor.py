@@ -43,7 +43,7 @@ from typing import Any
 
 from vllm.v1.executor.abstract import Executor, FailureCallback
 
-from keepalive_executor import nccl, torchrun
+from keepalive_executor import compat, nccl, torchrun
 from keepalive_executor.channel import open_world_channel
 from keepalive_executor.config import (
     KeepaliveSettings,
@@ -131,6 +131,11 @@ class KeepaliveExecutor(Executor):
     @staticmethod
     def validate(vllm_config: Any) -> KeepaliveSettings:
         """All start-up checks, cheap enough for the front end: raises KeepaliveConfigError."""
+        if not compat.check_version():
+            logger.warning("keepalive executor: vLLM %s is not a supported release (%s); "
+                           "starting anyway because %s=1", compat.installed_version(),
+                           compat.SUPPORTED_TEXT, compat.ENV_ALLOW_UNSUPPORTED)
+        compat.check_features(vllm_config)
         check_parallel_layout(vllm_config.parallel_config,
                               getattr(vllm_config, "model_config", None))
         check_features(vllm_config)
@@ -262,6 +267,17 @@ class KeepaliveExecutor(Executor):
         return self._life.is_failed
 
     @property
+    def failure_callback(self) -> FailureCallback | None:
+        """The registered failure callback, not yet called (vLLM 0.34's sentinel and
+        ``MultiprocExecutor`` expose the same attribute)."""
+        return self._failure_callback
+
+    @failure_callback.setter
+    def failure_callback(self, callback: FailureCallback | None) -> None:
+        with self._life.cond:
+            self._failure_callback = callback
+
+    @property
     def state(self) -> ExecutorState:
         """running, failed or stopped."""
         return self._life.state
@@ -343,6 +359,10 @@ class KeepaliveExecutor(Executor):
         """Run ``method`` on every rank; results in rank order (or rank
         ``unique_reply_rank``'s alone). Raises WorkerRpcError naming a failing rank."""
         assert self._steps is not None, "keepalive executor is not started"
+        refused = compat.refused_rpc(method)
+        if refused is not None:
+            error = NotImplementedError(refused)
+            return _as_future(partial(_raise, error)) if non_block else _raise(error)
         req = RpcRequest(method, tuple(args), kwargs or {}, Replies.ALL)
         call = partial(self._steps.call, req, timeout=timeout,
                        unique_reply_rank=unique_reply_rank)
@@ -436,13 +456,16 @@ class KeepaliveExecutor(Executor):
                 RpcRequest("take_draft_token_ids", (), {}, Replies.OUTPUT)).result()
         return self._model_step("take_draft_token_ids", replies=Replies.DRIVER)
 
-    def compile_or_warm_up_model(self) -> None:
-        """vLLM's warm-up, then (pipeline parallelism on CPU, eager mode) the receive buffer
-        vLLM 0.32 allocates only in a warm-up run that eager mode skips on CPU; without it
-        every stage but the first fails its first step (mp too: docs/usage.md)."""
-        super().compile_or_warm_up_model()
-        if self._pp:
+    def compile_or_warm_up_model(self) -> Any:
+        """vLLM's warm-up, returning what vLLM's returns (0.34: every rank's compilation
+        times, which the engine iterates). Then, with pipeline parallelism on vLLM's V1 model
+        runner (0.32, 0.33), the receive buffer it allocates only in a warm-up run that eager
+        mode skips on CPU; without it every stage but the first fails its first step (mp
+        too: docs/usage.md)."""
+        compilation_times = super().compile_or_warm_up_model()
+        if self._pp and compat.release().pipeline_buffer_fix:
             self.collective_rpc(_allocate_pipeline_buffers)
+        return compilation_times
 
     def check_health(self) -> None:
         """Raise if failed, if a worker process is gone, or if a round trip takes > 10 s."""
@@ -523,6 +546,10 @@ def _allocate_pipeline_buffers(worker: Any) -> bool:
     runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
         batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
     return True
+
+
+def _raise(error: BaseException) -> Any:
+    raise error
 
 
 def _split_pair(both: Future) -> tuple[Future, Future]:

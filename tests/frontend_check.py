@@ -8,15 +8,21 @@ import json
 import os
 import sys
 
+#: a case's env entry that makes ``vllm.version.__version__`` read as another release
+FAKE_VERSION_ENV = "KEEPALIVE_TEST_POSE_AS_VLLM"
+
 
 def check(args: list[str], env: dict[str, str]) -> dict:
+    import vllm.version
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.executor.abstract import Executor
 
-    saved = dict(os.environ)
+    make_arg_parser = serve_arg_parser()
+    saved, real_version = dict(os.environ), vllm.version.__version__
     os.environ.update(env)
+    # a case may pose as another vLLM release (the version gate reads vllm.version)
+    vllm.version.__version__ = env.get(FAKE_VERSION_ENV, real_version)
     try:
         parser = make_arg_parser(FlexibleArgumentParser())
         ns = parser.parse_args(args)
@@ -28,6 +34,17 @@ def check(args: list[str], env: dict[str, str]) -> dict:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        vllm.version.__version__ = real_version
+
+
+def serve_arg_parser():
+    """``vllm serve``'s ``make_arg_parser``: in ``vllm.entrypoints.common.cli_args`` since
+    vLLM 0.33, ``vllm.entrypoints.launchers.cli_args`` before."""
+    try:
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    except ImportError:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    return make_arg_parser
 
 
 if __name__ == "__main__":

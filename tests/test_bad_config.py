@@ -51,6 +51,15 @@ CASES = [
         {"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
          "ec_connector_extra_config": {"shared_storage_path": "/tmp/keepalive-ec-unused"}})],
      ["--pipeline-parallel-size=2", "--ec-transfer-config", "drop the flag, or use -pp 1"]),
+    # the version gate (keepalive_executor/compat.py): a vLLM release outside the range
+    ("unsupported-vllm", {"KEEPALIVE_TEST_POSE_AS_VLLM": "0.35.0"}, [],
+     ["the installed vLLM is 0.35.0", "supports vLLM 0.32.x, 0.33.x and 0.34.x",
+      "VLLM_KEEPALIVE_ALLOW_UNSUPPORTED_VLLM=1"]),
+    # vLLM allows fault tolerance only with external DP load balancing, which it allows only
+    # for a mixture-of-experts model
+    ("fault-tolerance", {}, ["--model", "TINY_MOE", "-tp", "1", "--data-parallel-size", "2",
+                             "--data-parallel-rank", "0", "--enable-fault-tolerance"],
+     ["does not support --enable-fault-tolerance", "a failed keepalive executor stays failed"]),
     # vLLM refuses this one itself, before our check (mp-only); several nodes: torchrun mode
     ("nnodes", {}, ["--nnodes", "2"], ["nnodes > 1", "mp, uni or external_launcher"]),
 ]

