@@ -41,8 +41,52 @@ def test_vllm_loads_the_plugin_and_resolves_the_bare_name_idempotently():
     # the dotted path works through vLLM's own resolution
     assert Executor.get_class(cfg("keepalive_executor.executor.KeepaliveExecutor")) \
         is KeepaliveExecutor
-    # every other backend name behaves exactly as before
+    # vLLM's own names still resolve (the next test: every other value reaches vLLM unchanged)
     assert Executor.get_class(cfg("mp")) is MultiprocExecutor
     assert Executor.get_class(cfg("uni")) is UniProcExecutor
-    with pytest.raises(Exception):  # noqa: B017 - vLLM's own error for an unknown name
+
+
+class _Unknown(Exception):
+    pass
+
+
+def test_every_other_backend_takes_vllms_own_get_class_unchanged(monkeypatch):
+    """For every value but ``keepalive``, the wrapped ``Executor.get_class`` is the one vLLM
+    had: called once with the same config, its class or its very error handed back. vLLM's
+    function is replaced by a recording stand-in, so the wrapper's answer can only be vLLM's
+    if it really came from vLLM's function."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.executor.abstract import Executor
+
+    from keepalive_executor import register
+    from keepalive_executor.executor import KeepaliveExecutor
+
+    seen: list = []
+    unknown = _Unknown("vllm: unknown backend")
+
+    def vllm_get_class(vllm_config):
+        seen.append(vllm_config)
+        backend = vllm_config.parallel_config.distributed_executor_backend
+        if backend == "no_such_backend":
+            raise unknown
+        return ("vllm's answer for", backend)
+
+    monkeypatch.setattr(Executor, "get_class", staticmethod(vllm_get_class))
+    # register() wraps this check too; put vLLM's (or the last wrapper) back afterwards
+    monkeypatch.setattr(EngineArgs, "_check_feature_supported",
+                        EngineArgs._check_feature_supported)
+    register()
+    assert Executor.get_class is not vllm_get_class
+    for backend in ["mp", "uni", "ray", "external_launcher", "Keepalive", "keepalive ",
+                    "keepalive_executor.executor.KeepaliveExecutor", KeepaliveExecutor, None]:
+        seen.clear()
+        config = cfg(backend)
+        assert Executor.get_class(config) == ("vllm's answer for", backend)
+        assert seen == [config] and seen[0] is config
+    seen.clear()
+    with pytest.raises(_Unknown) as raised:
         Executor.get_class(cfg("no_such_backend"))
+    assert raised.value is unknown and len(seen) == 1
+    seen.clear()
+    assert Executor.get_class(cfg("keepalive")) is KeepaliveExecutor
+    assert seen == []  # the one name vLLM never sees
