@@ -484,7 +484,7 @@ def check_parallel_layout(parallel_config: Any, model_config: Any = None) -> Non
     1 and its own torch world), so each replica gets its own keepalive executor and channel.
     A mixture-of-experts model keeps one world across the replicas (``DPEngineCoreProc``);
     the channel and reply groups are then replica-local groups inside it
-    (channel.open_world_channel), the PP output link is not: DP with PP refused there."""
+    (groups.open_world_channel), the PP output link is not: DP with PP refused there."""
     problems = []
     if getattr(parallel_config, "prefill_context_parallel_size", 1) > 1:
         problems.append(

@@ -38,9 +38,9 @@ from keepalive_executor.channel import (
     ChannelError,
     ChannelSpec,
     MessageKind,
-    open_world_channel,
 )
 from keepalive_executor.connectors import step_reply
+from keepalive_executor.groups import open_world_channel
 from keepalive_executor.log import get_logger, register_stack_dump
 from keepalive_executor.outputs import OutputSender, open_output_link, resolve_output
 from keepalive_executor.rpc import (

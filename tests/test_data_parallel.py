@@ -239,7 +239,7 @@ def test_replica_ranks_follow_vllms_numbering_of_a_world_across_replicas():
     (world_size = tp x pp) when the world spans replicas; otherwise there is nothing to split."""
     from types import SimpleNamespace
 
-    from keepalive_executor.channel import replica_ranks
+    from keepalive_executor.groups import replica_ranks
 
     assert replica_ranks(None) == []
     assert replica_ranks(SimpleNamespace(data_parallel_size=1, world_size=4)) == []
