@@ -22,7 +22,8 @@ collective never times out. Layout (one module, one role):
 * :mod:`~keepalive_executor.launcher`    spawned worker processes: start, ready, watch, stop
 * :mod:`~keepalive_executor.executor`    the vLLM ``Executor`` (driver side)
 * :mod:`~keepalive_executor.worker_loop` the receive loop of ranks 1..N-1
-* :mod:`~keepalive_executor.exit_codes`, :mod:`~keepalive_executor.log`
+* :mod:`~keepalive_executor.exit_codes`, :mod:`~keepalive_executor.log`,
+  :mod:`~keepalive_executor.errors` (``KeepaliveConfigError``, every start-up check's)
 * :mod:`~keepalive_executor.torchrun`    torchrun mode: env, signed bootstrap, liveness,
   ranks, CLI (``python -m keepalive_executor`` is :mod:`~keepalive_executor.__main__`)
 """

@@ -40,7 +40,8 @@ collective timeout                    the one governing the chosen group:
                                       support it. Read where vLLM asks, at config time
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING``   torch's own (0-3). On NCCL/RCCL the executor sets ``2``
                                       (abort the communicators, keep the process) when it is unset,
-                                      so a failed collective is an error, not a SIGABRT
+                                      so a failed collective is an error, not a SIGABRT (the
+                                      modes, and setting it, are :mod:`.nccl`'s)
 ====================================  =============================================================
 
 Why at most half the timeout: a receiver's wait can start up to one interval before the next
@@ -63,6 +64,13 @@ from keepalive_executor.channel import (
     TRANSPORTS,
     ChannelSpec,
 )
+from keepalive_executor.errors import KeepaliveConfigError
+from keepalive_executor.nccl import (
+    ENV_NCCL_ERROR_HANDLING,
+    KEEPALIVE_NCCL_ERROR_HANDLING,
+    NCCL_ERROR_HANDLING_MODES,
+    error_handling_mode,
+)
 
 __all__ = [
     "ENV_INTERVAL",
@@ -75,7 +83,6 @@ __all__ = [
     "ENV_TORCHRUN_LOCAL_WORLD_SIZE",
     "ENV_EXECUTE_TIMEOUT",
     "ENV_ASYNC_SCHEDULING",
-    "ENV_NCCL_ERROR_HANDLING",
     "ADDITIONAL_CONFIG_INTERVAL",
     "KeepaliveConfigError",
     "KeepaliveSettings",
@@ -88,7 +95,6 @@ __all__ = [
     "group_timeout_s",
     "startup_timeout_s",
     "async_scheduling_opt_in",
-    "nccl_error_handling",
     "settings_from_vllm_config",
     "check_parallel_layout",
     "check_features",
@@ -103,7 +109,6 @@ ENV_STARTUP_TIMEOUT = "VLLM_KEEPALIVE_STARTUP_TIMEOUT_S"
 ENV_LIVENESS_TIMEOUT = "VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S"
 ENV_EXECUTE_TIMEOUT = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
 ENV_ASYNC_SCHEDULING = "VLLM_KEEPALIVE_ASYNC_SCHEDULING"
-ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 ADDITIONAL_CONFIG_INTERVAL = "keepalive_interval_s"
 #: torchrun's own LOCAL_WORLD_SIZE, saved by ``python -m keepalive_executor`` before vLLM
 #: runs: vLLM's CPU platform overwrites LOCAL_WORLD_SIZE with the TP size in its config check
@@ -114,27 +119,12 @@ ENV_TORCHRUN_LOCAL_WORLD_SIZE = "_KEEPALIVE_TORCHRUN_LOCAL_WORLD_SIZE"
 #: default_pg_nccl_timeout).
 TORCH_GLOO_TIMEOUT_S = 1800.0
 TORCH_NCCL_TIMEOUT_S = 600.0
-#: torch's default TORCH_NCCL_ASYNC_ERROR_HANDLING (ProcessGroupNCCL's constructor: 3,
-#: SkipCleanUp) and what the executor sets when it is unset (2, CleanUpOnly); what each means
-#: for a process is in docs/design.md, "Failure semantics on NCCL/RCCL".
-TORCH_NCCL_ERROR_HANDLING_DEFAULT = 3
-KEEPALIVE_NCCL_ERROR_HANDLING = 2
-NCCL_ERROR_HANDLING_MODES = {
-    0: "no handling: errors surface only in a wait",
-    1: "abort the communicators, then end the process (SIGABRT)",
-    2: "abort the communicators; the process stays and the waits raise",
-    3: "end the process (SIGABRT) without aborting the communicators",
-}
 MAX_DEFAULT_INTERVAL_S = 30.0
 DEFAULT_FAILURE_GRACE_S = 0.5
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_LIVENESS_TIMEOUT_S = 1.5
 DEFAULT_LIVENESS_TIMEOUT_MULTI_NODE_S = 5.0
 VLLM_EXECUTE_TIMEOUT_S = 300.0
-
-
-class KeepaliveConfigError(ValueError):
-    """A keepalive setting is invalid; the message names it, its value and the fix."""
 
 
 @dataclass(frozen=True)
@@ -319,26 +309,6 @@ def async_scheduling_opt_in(env: Mapping[str, str] | None = None) -> bool:
     )
 
 
-def nccl_error_handling(env: Mapping[str, str] | None = None) -> tuple[int | None, str]:
-    """``TORCH_NCCL_ASYNC_ERROR_HANDLING`` as torch will read it: ``(mode, "set by you")``,
-    or ``(None, "unset")``. Anything but 0-3 raises naming it."""
-    env = os.environ if env is None else env
-    raw = env.get(ENV_NCCL_ERROR_HANDLING, "")
-    if raw.strip() == "":
-        return None, "unset"
-    try:
-        mode = int(raw)
-    except ValueError:
-        mode = -1
-    if mode not in NCCL_ERROR_HANDLING_MODES:
-        raise KeepaliveConfigError(
-            f"{ENV_NCCL_ERROR_HANDLING}={raw!r} is not one of torch's modes 0-3: unset it "
-            f"(the executor then sets {KEEPALIVE_NCCL_ERROR_HANDLING}: abort the "
-            "communicators, keep the process) or see docs/design.md"
-        )
-    return mode, "set by you"
-
-
 def _parse_bytes(env: Mapping[str, str], name: str, default: int) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
@@ -422,7 +392,7 @@ def settings_from_vllm_config(
             f"engine's process: set {ENV_ASYNC_SCHEDULING}=1 where the engine runs too, or "
             "pass --no-async-scheduling"
         )
-    nccl_mode, nccl_source = nccl_error_handling(env)
+    nccl_mode, nccl_source = error_handling_mode(env)
     if dist_backend == "nccl" and nccl_mode is None:
         nccl_mode, nccl_source = KEEPALIVE_NCCL_ERROR_HANDLING, "set by keepalive"
     elif dist_backend != "nccl":

@@ -9,7 +9,9 @@ Nothing here ran on a GPU; every rule below is built to the sources named in doc
   process with SIGABRT. The executor's failure model has every failure reported as an error
   (rank 0: the executor fails, vLLM's error path ends the engine; ranks 1..N-1: exit code 1),
   so each process sets ``2`` (abort the communicators, keep the process: the pending waits
-  raise) before its first NCCL group exists, unless the user chose a mode.
+  raise) before its first NCCL group exists, unless the user chose a mode. The modes and
+  what each does to a process are here (:data:`NCCL_ERROR_HANDLING_MODES`); the settings
+  check reads the variable through :func:`error_handling_mode`.
 * **Abort** (:func:`abort_groups`). A step given up after a failure leaves NCCL kernels
   spinning on the GPU (an all-reduce that waits for a dead peer never ends on its own): the
   process groups are aborted (``ncclCommAbort``) so that the kernels end, the GPU is released
@@ -25,27 +27,56 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from keepalive_executor.config import (
-    ENV_NCCL_ERROR_HANDLING,
-    KEEPALIVE_NCCL_ERROR_HANDLING,
-    NCCL_ERROR_HANDLING_MODES,
-    nccl_error_handling,
-)
+from keepalive_executor.errors import KeepaliveConfigError
 from keepalive_executor.log import get_logger
 
-__all__ = ["CHANNEL_MAX_CTAS", "apply_error_handling", "abort_groups", "channel_group",
-           "channel_group_options"]
+__all__ = ["CHANNEL_MAX_CTAS", "ENV_NCCL_ERROR_HANDLING", "KEEPALIVE_NCCL_ERROR_HANDLING",
+           "NCCL_ERROR_HANDLING_MODES", "error_handling_mode", "apply_error_handling",
+           "abort_groups", "channel_group", "channel_group_options"]
 
 logger = get_logger(__name__)
+
+ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+#: torch's default TORCH_NCCL_ASYNC_ERROR_HANDLING (ProcessGroupNCCL's constructor: 3,
+#: SkipCleanUp) and what the executor sets when it is unset (2, CleanUpOnly); what each means
+#: for a process is in docs/design.md, "Failure semantics on NCCL/RCCL".
+TORCH_NCCL_ERROR_HANDLING_DEFAULT = 3
+KEEPALIVE_NCCL_ERROR_HANDLING = 2
+NCCL_ERROR_HANDLING_MODES = {
+    0: "no handling: errors surface only in a wait",
+    1: "abort the communicators, then end the process (SIGABRT)",
+    2: "abort the communicators; the process stays and the waits raise",
+    3: "end the process (SIGABRT) without aborting the communicators",
+}
 
 #: CTAs the channel's broadcast may occupy (one SM at most while it waits for a frame).
 CHANNEL_MAX_CTAS = 1
 #: how long a receiver leaving on an error waits for the abort before its own clean-up
 ABORT_WAIT_S = 10.0
+
+
+def error_handling_mode(env: Mapping[str, str] | None = None) -> tuple[int | None, str]:
+    """``TORCH_NCCL_ASYNC_ERROR_HANDLING`` as torch will read it: ``(mode, "set by you")``,
+    or ``(None, "unset")``. Anything but 0-3 raises naming it."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_NCCL_ERROR_HANDLING, "")
+    if raw.strip() == "":
+        return None, "unset"
+    try:
+        mode = int(raw)
+    except ValueError:
+        mode = -1
+    if mode not in NCCL_ERROR_HANDLING_MODES:
+        raise KeepaliveConfigError(
+            f"{ENV_NCCL_ERROR_HANDLING}={raw!r} is not one of torch's modes 0-3: unset it "
+            f"(the executor then sets {KEEPALIVE_NCCL_ERROR_HANDLING}: abort the "
+            "communicators, keep the process) or see docs/design.md"
+        )
+    return mode, "set by you"
 
 
 def apply_error_handling(dist_backend: str,
@@ -56,7 +87,7 @@ def apply_error_handling(dist_backend: str,
     env = os.environ if env is None else env
     if dist_backend != "nccl":
         return None
-    mode, _ = nccl_error_handling(env)
+    mode, _ = error_handling_mode(env)
     if mode is None:
         env[ENV_NCCL_ERROR_HANDLING] = str(KEEPALIVE_NCCL_ERROR_HANDLING)
         return KEEPALIVE_NCCL_ERROR_HANDLING

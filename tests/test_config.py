@@ -12,7 +12,6 @@ from keepalive_executor.config import (
     ENV_FAILURE_GRACE,
     ENV_INTERVAL,
     ENV_LIVENESS_TIMEOUT,
-    ENV_NCCL_ERROR_HANDLING,
     ENV_STARTUP_TIMEOUT,
     ENV_TRANSPORT,
     KeepaliveConfigError,
@@ -20,9 +19,9 @@ from keepalive_executor.config import (
     check_features,
     check_parallel_layout,
     default_interval,
-    nccl_error_handling,
     settings_from_vllm_config,
 )
+from keepalive_executor.nccl import ENV_NCCL_ERROR_HANDLING, error_handling_mode
 
 
 def cfg(timeout=None, cpu_timeout=None, additional=None, pp=1, dp=1, nnodes=1, pcp=1):
@@ -132,7 +131,7 @@ def test_nccl_error_handling_is_set_to_abort_without_teardown_unless_the_user_ch
         settings_from_vllm_config(cfg(), env={ENV_NCCL_ERROR_HANDLING: "abort"},
                                   dist_backend="nccl")
     assert settings({}).nccl_error_handling is None  # gloo: not NCCL's business
-    assert nccl_error_handling({}) == (None, "unset")
+    assert error_handling_mode({}) == (None, "unset")
 
 
 @pytest.mark.parametrize("name, default", [
