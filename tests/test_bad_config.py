@@ -25,7 +25,11 @@ CASES = [
      ["keepalive_interval_s=-2", "must be positive"]),
     ("transport", {"VLLM_KEEPALIVE_TRANSPORT": "carrier-pigeon"}, [],
      ["VLLM_KEEPALIVE_TRANSPORT='carrier-pigeon'", "'device'", "'cpu'"]),
-    ("pcp", {}, ["--prefill-context-parallel-size", "2"], ["prefill-context-parallel"]),
+    # our own sentence: vLLM refuses pcp on its own too ("Model Runner V1 does not support:
+    # prefill context parallel"), and a flag name alone would also match vLLM's refusal
+    ("pcp", {}, ["--prefill-context-parallel-size", "2"],
+     ["--distributed-executor-backend keepalive does not support "
+      "--prefill-context-parallel-size=2 (not supported: use 1)"]),
     # settings once read at import time (a bare ValueError, or -5 accepted)
     ("failure-grace", {"VLLM_KEEPALIVE_FAILURE_GRACE_S": "abc"}, [],
      ["VLLM_KEEPALIVE_FAILURE_GRACE_S='abc'", "not a number"]),
