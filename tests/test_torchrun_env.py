@@ -617,3 +617,38 @@ def test_a_nonce_posted_by_someone_else_cannot_make_a_follower_accept_a_replay(s
     assert post_bootstrap(store, later, {"vllm_config": {"m": 2}}, SECRET)
     with pytest.raises(TorchrunError, match="replayed or stale bootstrap"):
         wait_bootstrap(store, later, 5, SECRET, post_nonce(store, later))
+
+
+@pytest.mark.parametrize("backend, mine, expected", [
+    ("nccl", None, "2"),  # the executor's mode: abort the communicators, keep the process
+    ("nccl", "3", "3"),  # the user's choice stands
+    ("gloo", None, None),  # not NCCL: nothing set
+])
+def test_a_follower_sets_nccls_error_handling_before_it_builds_the_world_group(
+        monkeypatch, backend, mine, expected):
+    """torch reads TORCH_NCCL_ASYNC_ERROR_HANDLING when it builds each NCCL group, the default
+    group included: a torchrun follower's must be built under the executor's mode, as rank
+    0's and every spawned worker's are (issue 28, edge 2: it was set only later, in
+    run_worker, so the follower's world group kept torch's mode 3, SIGABRT on a timeout)."""
+    import os
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from vllm.platforms import current_platform
+
+    from keepalive_executor import nccl
+    from keepalive_executor.torchrun import bootstrap
+
+    if mine is None:
+        monkeypatch.delenv(nccl.ENV_NCCL_ERROR_HANDLING, raising=False)
+    else:
+        monkeypatch.setenv(nccl.ENV_NCCL_ERROR_HANDLING, mine)
+    monkeypatch.setattr(current_platform, "dist_backend", backend)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(bootstrap, "connect_store", lambda env, timeout_s=None: dist.HashStore())
+    built: list[tuple[str, str | None]] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: built.append(
+        (kw["backend"], os.environ.get(nccl.ENV_NCCL_ERROR_HANDLING))))
+    config = SimpleNamespace(parallel_config=SimpleNamespace(distributed_timeout_seconds=None))
+    bootstrap.init_world_process_group(TorchrunEnv.from_environ(GOOD), config, 5.0)
+    assert built == [(backend, expected)]

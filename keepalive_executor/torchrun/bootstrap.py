@@ -48,6 +48,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from keepalive_executor import nccl
 from keepalive_executor.log import get_logger
 from keepalive_executor.torchrun.env import TorchrunEnv, TorchrunError
 
@@ -291,12 +292,18 @@ def init_world_process_group(env: TorchrunEnv, vllm_config: Any, timeout_s: floa
     rendezvous keeps one store across restarts (``--max-restarts``), and a restarted world
     would then read the previous attempt's addresses. With the group already up, vLLM's
     ``init_distributed_environment`` builds its groups on top of it.
+
+    On NCCL/RCCL this is the process's first NCCL group, and torch reads
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` as it builds each one: the executor's mode is applied
+    first (:func:`keepalive_executor.nccl.apply_error_handling`), as on rank 0 and in every
+    spawned worker.
     """
     import torch.distributed as dist
     from vllm.platforms import current_platform
 
     if dist.is_initialized():
         return
+    nccl.apply_error_handling(current_platform.dist_backend)
     seconds = vllm_config.parallel_config.distributed_timeout_seconds
     kwargs = {} if seconds is None else {"timeout": datetime.timedelta(seconds=seconds)}
     store = dist.PrefixStore(env.key("world") + "/", connect_store(env, timeout_s))
