@@ -348,13 +348,14 @@ class BroadcastChannel:
         self._reap_schedule = PollSchedule(spin_s=0.0, poll_max_s=poll_max_s)
         # One stream for every copy and broadcast of the channel, whichever thread sends.
         self._stream = torch.cuda.Stream(device=self.device) if on_gpu else None
-        self._frame = torch.zeros(self.frame_bytes, dtype=torch.uint8, device=self.device)
-        if self.device.type == "cpu":
-            self._host_frame = self._frame
-        else:
-            self._host_frame = torch.zeros(
-                self.frame_bytes, dtype=torch.uint8, pin_memory=on_gpu
-            )
+        with self._on_stream():  # a frame's zero fill runs on the stream that uses it
+            self._frame = torch.zeros(self.frame_bytes, dtype=torch.uint8, device=self.device)
+            if self.device.type == "cpu":
+                self._host_frame = self._frame
+            else:
+                self._host_frame = torch.zeros(
+                    self.frame_bytes, dtype=torch.uint8, pin_memory=on_gpu
+                )
         self._host_np = self._host_frame.numpy()  # one view, reused by every message
         self._next_seq = 1
         self._seq_check = SequenceChecker()
@@ -451,8 +452,11 @@ class BroadcastChannel:
         """A free frame of the window; reaps completed broadcasts, waits if all are in use."""
         self._reap(block=False)
         if not self._free and len(self._frames) < SEND_WINDOW:
-            self._frames.append(torch.zeros(self.frame_bytes, dtype=torch.uint8,
-                                            device=self.device))
+            # On the channel's stream: its zero fill then comes before the copy into it,
+            # which runs there too (on the caller's stream nothing would order the two).
+            with self._on_stream():
+                self._frames.append(torch.zeros(self.frame_bytes, dtype=torch.uint8,
+                                                device=self.device))
             return len(self._frames) - 1
         while not self._free:
             self._reap(block=True)

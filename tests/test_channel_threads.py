@@ -13,6 +13,7 @@ import uuid
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from keepalive_executor import channel as channel_mod
@@ -95,3 +96,60 @@ def test_every_wait_of_the_sender_is_on_the_channels_stream_and_shutdown_binds(
     assert watch.outside == [], f"waits outside the channel's stream on {set(watch.outside)}"
     # the thread that sends SHUTDOWN (not the driver's, not the pacer's) binds the device
     assert bound == ["keepalive-send-shutdown"]
+
+
+class _TorchSeenFromTheChannel:
+    """``torch`` as channel.py sees it, with ``zeros`` recording whether each call ran
+    inside the channel's stream context (on a GPU a new tensor's zero fill is a kernel on
+    the stream current at that moment)."""
+
+    def __init__(self, watch: StreamWatch) -> None:
+        self._watch = watch
+        self.zeros_inside: list[bool] = []
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    def zeros(self, *args, **kwargs):
+        self.zeros_inside.append(self._watch.inside())
+        return torch.zeros(*args, **kwargs)
+
+
+def test_every_frame_the_channel_allocates_is_filled_on_the_channels_stream(
+        one_rank_group, monkeypatch):
+    """A frame allocated on the caller's stream is zero-filled there while the channel's
+    stream copies the message into it: nothing orders the two, and the fill can land after
+    the copy (a corrupt frame on a GPU, transport ``device``, while the send window grows;
+    issue 28, edge 5). Every frame the channel allocates, in its constructor and as the
+    window grows, must be allocated inside its stream's context."""
+    watch = StreamWatch()
+    monkeypatch.setattr(BroadcastChannel, "_on_stream", lambda self: watch.context())
+    seen = _TorchSeenFromTheChannel(watch)
+    monkeypatch.setattr(channel_mod, "torch", seen)
+    real_broadcast = dist.broadcast
+    # Broadcasts that look unfinished until waited for (receivers busy elsewhere), so the
+    # window grows to its full size instead of reusing the first frame.
+    monkeypatch.setattr(channel_mod.dist, "broadcast", lambda tensor, src, group=None,
+                        async_op=False: _Unfinished(real_broadcast(tensor, src=src,
+                                                                   group=group, async_op=True)))
+    ch = BroadcastChannel(None, src=0, inline_bytes=64)
+    for _ in range(3 * SEND_WINDOW):
+        ch.send(b"x" * 8)
+    ch.flush()
+    # the constructor's frame (on CPU also the host frame), then one per frame of the window
+    assert len(seen.zeros_inside) == 1 + SEND_WINDOW, seen.zeros_inside
+    assert all(seen.zeros_inside), seen.zeros_inside
+
+
+class _Unfinished:
+    """A real work that says it is not completed until it has been waited for."""
+
+    def __init__(self, work) -> None:
+        self._work, self._waited = work, False
+
+    def is_completed(self) -> bool:
+        return self._waited
+
+    def wait(self, *args):
+        self._waited = True
+        return self._work.wait(*args)
