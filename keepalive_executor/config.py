@@ -454,7 +454,10 @@ def check_parallel_layout(parallel_config: Any, model_config: Any = None) -> Non
     1 and its own torch world), so each replica gets its own keepalive executor and channel.
     A mixture-of-experts model keeps one world across the replicas (``DPEngineCoreProc``);
     the channel and reply groups are then replica-local groups inside it
-    (groups.open_world_channel), the PP output link is not: DP with PP refused there."""
+    (groups.open_world_channel), the PP output link is not: DP with PP refused there, and
+    so are replicas this server does not start itself (``--data-parallel-size-local`` below
+    ``--data-parallel-size``: other nodes, ``--headless``), which every rank of that world
+    would have to build the same groups with."""
     problems = []
     if getattr(parallel_config, "prefill_context_parallel_size", 1) > 1:
         problems.append(
@@ -462,13 +465,23 @@ def check_parallel_layout(parallel_config: Any, model_config: Any = None) -> Non
             f"{parallel_config.prefill_context_parallel_size} (not supported: use 1)"
         )
     dp = parallel_config.data_parallel_size
-    if (dp > 1 and getattr(model_config, "is_moe", False)
-            and getattr(parallel_config, "pipeline_parallel_size", 1) > 1):
+    moe_dp = dp > 1 and getattr(model_config, "is_moe", False)
+    if moe_dp and getattr(parallel_config, "pipeline_parallel_size", 1) > 1:
         problems.append(
             f"--data-parallel-size={dp} with --pipeline-parallel-size="
             f"{parallel_config.pipeline_parallel_size} for a mixture-of-experts model (its "
             "replicas share one torch.distributed world; the channel is made replica-local "
             "there, the pipeline's output link is not: use -pp 1 with -dp, or -dp 1)"
+        )
+    dp_local = getattr(parallel_config, "data_parallel_size_local", dp)
+    if moe_dp and dp_local < dp:
+        problems.append(
+            f"--data-parallel-size-local={dp_local} with --data-parallel-size={dp} for a "
+            "mixture-of-experts model (its replicas share one torch.distributed world, in "
+            "which every rank must build the executor's replica-local groups in the same "
+            "order; replicas started on other nodes or by other processes are not lined up: "
+            "run every replica from this server, i.e. drop --data-parallel-size-local, "
+            "--headless and --data-parallel-rank)"
         )
     if getattr(parallel_config, "nnodes", 1) > 1:
         problems.append(

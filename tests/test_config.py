@@ -24,13 +24,16 @@ from keepalive_executor.config import (
 from keepalive_executor.nccl import ENV_NCCL_ERROR_HANDLING, error_handling_mode
 
 
-def cfg(timeout=None, cpu_timeout=None, additional=None, pp=1, dp=1, nnodes=1, pcp=1):
+def cfg(timeout=None, cpu_timeout=None, additional=None, pp=1, dp=1, nnodes=1, pcp=1,
+        dp_local=None):
     return SimpleNamespace(
         parallel_config=SimpleNamespace(
             distributed_timeout_seconds=timeout,
             cpu_distributed_timeout_seconds=cpu_timeout,
             pipeline_parallel_size=pp,
             data_parallel_size=dp,
+            # vLLM's default: every replica on this node (EngineArgs.create_engine_config)
+            data_parallel_size_local=dp if dp_local is None else dp_local,
             nnodes=nnodes,
             prefill_context_parallel_size=pcp,
         ),
@@ -217,6 +220,22 @@ def test_data_parallelism_is_refused_only_for_moe_models_with_pipeline_paralleli
                        match=r"--data-parallel-size=2 with --pipeline-parallel-size=2 for a "
                              r"mixture-of-experts model"):
         check_parallel_layout(cfg(dp=2, pp=2).parallel_config, moe)
+
+
+@pytest.mark.parametrize("dp_local", [1, 0])
+def test_moe_data_parallelism_with_replicas_on_other_nodes_is_refused_naming_the_flag(dp_local):
+    """A mixture-of-experts model's replicas share one torch world, in which every rank must
+    build keepalive's replica-local groups in the same order. Replicas started on other nodes
+    (``--data-parallel-size-local`` below ``--data-parallel-size``: vLLM's headless nodes, an
+    API-server-only node with 0) are not this executor's to line up: start-up would hang
+    until the timeout (issue 28, edge 6). Refused at start-up, naming the flag."""
+    dense, moe = SimpleNamespace(is_moe=False), SimpleNamespace(is_moe=True)
+    check_parallel_layout(cfg(dp=2).parallel_config, moe)  # every replica on this node
+    check_parallel_layout(cfg(dp=2, dp_local=dp_local).parallel_config, dense)  # own worlds
+    with pytest.raises(KeepaliveConfigError,
+                       match=rf"--data-parallel-size-local={dp_local} with "
+                             r"--data-parallel-size=2 for a mixture-of-experts model"):
+        check_parallel_layout(cfg(dp=2, dp_local=dp_local).parallel_config, moe)
 
 
 @pytest.mark.parametrize("field, flag", [("kv_transfer_config", "--kv-transfer-config"),
