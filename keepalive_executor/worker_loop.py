@@ -28,6 +28,7 @@ import os
 import signal
 import threading
 import traceback
+from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
@@ -53,17 +54,30 @@ from keepalive_executor.rpc import (
 )
 
 __all__ = [
-    "KEEPALIVES_RECEIVED",
+    "ReceiveCounts", "receive_counts",
     "receive_loop", "name_process", "run_worker", "worker_main",
     "WorkerStepError",
 ]
 
 logger = get_logger(__name__)
 
+#: where run_worker leaves its loop's counts on the vLLM worker it drives
+_COUNTS_ATTR = "_keepalive_receive_counts"
 
-#: Keepalives this process's receive loop has seen so far (one loop per process), for
-#: observability: a ``collective_rpc`` can read it on every rank.
-KEEPALIVES_RECEIVED = [0]
+
+@dataclass
+class ReceiveCounts:
+    """What one receive loop has seen so far, owned by that loop. :func:`run_worker` leaves
+    its loop's on the vLLM worker it drives, so a ``collective_rpc`` can read it on every
+    rank (:func:`receive_counts`); for observability and tests, nothing here reads it."""
+
+    keepalives: int = 0
+
+
+def receive_counts(worker: Any) -> ReceiveCounts | None:
+    """The counts of the receive loop driving ``worker`` (the object a ``collective_rpc``
+    callable gets), None where no receive loop drives it (rank 0)."""
+    return getattr(worker, _COUNTS_ATTR, None)
 
 
 class WorkerStepError(RuntimeError):
@@ -89,21 +103,23 @@ def receive_loop(
     world_size: int,
     run: Any = run_request,
     output: Any = None,
+    counts: ReceiveCounts | None = None,
 ) -> int:
     """Follow the driver until SHUTDOWN; return the number of keepalives seen.
 
     ``output``: this rank's end of the output link, if it is the output rank of a pipeline
-    (it sends the result of every ``Replies.OUTPUT`` call to rank 0)."""
-    keepalives = 0
+    (it sends the result of every ``Replies.OUTPUT`` call to rank 0). ``counts``: where the
+    loop counts what it sees as it goes (a fresh one if not given)."""
+    counts = ReceiveCounts() if counts is None else counts
     while True:
         msg = channel.recv()
         if msg.kind is MessageKind.KEEPALIVE:
-            keepalives += 1
-            KEEPALIVES_RECEIVED[0] += 1
+            counts.keepalives += 1
             continue
         if msg.kind is MessageKind.SHUTDOWN:
-            logger.info("rank %d: SHUTDOWN from the driver after %d keepalives", rank, keepalives)
-            return keepalives
+            logger.info("rank %d: SHUTDOWN from the driver after %d keepalives", rank,
+                        counts.keepalives)
+            return counts.keepalives
         assert msg.data is not None
         try:
             call = decode_request(msg.data)
@@ -249,9 +265,11 @@ def run_worker(
         output = open_output_link(vllm_config.parallel_config, spec.output_timeout_s)
         if output is not None and vllm_config.scheduler_config.async_scheduling:
             output = OutputSender(output, bind_thread=partial(_bind_device, wrapper))
+        counts = ReceiveCounts()
+        setattr(wrapper, _COUNTS_ATTR, counts)
         on_ready()
         receive_loop(wrapper, channel, reply_group, rank=rank, world_size=world_size,
-                     output=output)
+                     output=output, counts=counts)
         if output is not None:
             output.close()
         code = exit_codes.OK

@@ -197,9 +197,10 @@ def _engine_children(me: Any) -> list[str]:
 def keepalives_received(worker: Any) -> int | None:
     """collective_rpc callable: the keepalives this rank's receive loop has seen (None on
     rank 0, which sends them)."""
-    from keepalive_executor.worker_loop import KEEPALIVES_RECEIVED
+    from keepalive_executor.worker_loop import receive_counts
 
-    return None if worker.rank == 0 else KEEPALIVES_RECEIVED[0]
+    counts = receive_counts(worker)
+    return None if worker.rank == 0 else counts.keepalives
 
 
 def echo_len(worker: Any, data: Any) -> int:
