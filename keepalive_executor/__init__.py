@@ -6,6 +6,7 @@ collective never times out. Layout (one module, one role):
 
 * :mod:`~keepalive_executor.plugin`      registration of the ``keepalive`` backend name
 * :mod:`~keepalive_executor.config`      settings and their start-up validation
+* :mod:`~keepalive_executor.compat`      what differs between the supported vLLM releases
 * :mod:`~keepalive_executor.channel`     framing and the broadcast channel (wire format)
 * :mod:`~keepalive_executor.groups`      the process groups the channel and the replies run on
 * :mod:`~keepalive_executor.rpc`         call envelopes, replies and the reply gather
