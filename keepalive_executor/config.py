@@ -22,6 +22,9 @@ collective timeout                    the one governing the chosen group:
                                       defaults when unset (gloo 1800 s, NCCL 600 s).
                                       ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` plays no part: it bounds
                                       a stuck watchdog thread, not an idle collective
+                                      ``--cpu-distributed-timeout-seconds`` also bounds every
+                                      ``collective_rpc``'s reply gather (rpc.py): ranks that
+                                      finish one call further apart than it fail it
 ``VLLM_KEEPALIVE_INLINE_BYTES``       frame capacity (default 16 KiB), integer >= 0
 ``VLLM_KEEPALIVE_MAX_PAYLOAD_BYTES``  largest message (default 1 GiB), integer >= 0
 ``VLLM_KEEPALIVE_FAILURE_GRACE_S``    after a rank failed while rank 0 is inside a step: how long

@@ -31,6 +31,14 @@ driver over the world **CPU** group (gloo), so a result never has to live on a G
 1. ``all_gather`` of each rank's reply length (int64), so every rank knows the largest;
 2. ``gather`` of the replies, zero-padded to that length, to the driver.
 
+Both are bounded by the CPU group's timeout (``--cpu-distributed-timeout-seconds``), not by
+the call's own ``timeout``: a rank that finishes the call first waits there for the last, so
+ranks that finish one call further apart than that timeout (model loading or warm-up on a
+slow file system) fail it, and with it the executor, where vLLM's ``mp`` would wait. The
+receivers cannot know the call's timeout (it is not in the envelope), and an unbounded wait
+would leave a receiver waiting forever on a driver that froze; the error names the setting
+instead.
+
 ``execute_model``, ``sample_tokens`` and ``take_draft_token_ids`` use ``Replies.DRIVER``:
 only the driver's own result is needed (it runs the same step in-process), so the step costs
 one broadcast and nothing more. A worker that fails such a step cannot tell the driver
@@ -42,6 +50,7 @@ from __future__ import annotations
 import enum
 import pickle
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -58,6 +67,7 @@ __all__ = [
     "ByValue",
     "RpcSerializationError",
     "WorkerRpcError",
+    "ReplyGatherError",
     "encode_request",
     "decode_request",
     "serialize",
@@ -246,6 +256,15 @@ def _wait(work: dist.Work | None, timeout_s: float | None) -> None:
         work.wait(timedelta(seconds=max(timeout_s, 0.001)))
 
 
+class ReplyGatherError(RuntimeError):
+    """The reply gather failed: a rank was lost, or the CPU group's timeout ran out while
+    this rank waited for another to finish the call (the message says which setting)."""
+
+
+#: gloo's timer may fire a hair before the caller's window ends
+_TIMER_SLACK_S = 0.05
+
+
 def gather_replies(
     reply: RpcReply,
     group: dist.ProcessGroup,
@@ -254,7 +273,30 @@ def gather_replies(
     world_size: int,
     timeout_s: float | None = None,
 ) -> list[RpcReply] | None:
-    """Collective: every rank passes its reply; rank ``dst`` gets all of them in rank order."""
+    """Collective: every rank passes its reply; rank ``dst`` gets all of them in rank order.
+
+    ``timeout_s`` bounds this rank's wait (rank 0's call window); when it runs out the
+    transport's error is raised as it is, for the caller who chose the window. Any other
+    failure is a :class:`ReplyGatherError`. The gather itself is bounded by the CPU group's
+    timeout (``--cpu-distributed-timeout-seconds``), whatever the call's own: ranks that finish
+    a call further apart than that fail it, and the error says so (docs/usage.md)."""
+    start = time.monotonic()
+    try:
+        return _gather(reply, group, dst, world_size, timeout_s)
+    except Exception as e:
+        if timeout_s is not None and time.monotonic() - start >= timeout_s - _TIMER_SLACK_S:
+            raise
+        hint = ""
+        if "timed out" in str(e).lower():
+            hint = (" (this rank waited longer than the CPU group's timeout, "
+                    "--cpu-distributed-timeout-seconds, for another rank to finish the call: "
+                    "the ranks finished it further apart than that; raise it if they may, "
+                    "e.g. while loading or warming up the model)")
+        raise ReplyGatherError(f"the reply gather on the CPU group failed: {e}{hint}") from e
+
+
+def _gather(reply: RpcReply, group: dist.ProcessGroup, dst: int, world_size: int,
+            timeout_s: float | None) -> list[RpcReply] | None:
     data = _encode(reply)
     length = torch.tensor([len(data)], dtype=torch.int64)
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]

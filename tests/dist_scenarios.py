@@ -164,3 +164,21 @@ def receiver_dies(rank: int, world: int, victim: int) -> dict:
     except ChannelError as e:
         return {"error": str(e), "error_type": type(e).__name__, "sends": sends,
                 "t_error": time.monotonic(), "t_victim_gone": t_victim_gone}
+
+
+def late_reply_gather(rank: int, world: int, late_s: float, rpc_timeout_s: float | None = None
+                      ) -> dict:
+    """A collective_rpc's reply gather in which the last rank finishes the call ``late_s``
+    after the others (rank 0 waits at most ``rpc_timeout_s``, as its step would)."""
+    import torch.distributed as dist
+
+    from keepalive_executor.rpc import RpcReply, gather_replies
+
+    if rank == world - 1:
+        time.sleep(late_s)
+    start = time.monotonic()
+    replies = gather_replies(RpcReply(rank=rank, ok=True, value=rank), dist.group.WORLD, dst=0,
+                             world_size=world, timeout_s=rpc_timeout_s if rank == 0 else None)
+    return {"values": None if replies is None else [r.value for r in replies],
+            "waited_s": time.monotonic() - start}
+
