@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from keepalive_executor.config import KeepaliveConfigError
+from keepalive_executor.errors import KeepaliveConfigError
 
 __all__ = [
     "SUPPORTED_MINORS",
