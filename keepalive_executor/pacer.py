@@ -42,6 +42,15 @@ Guarantees (checked as invariants by tests/test_pacer.py):
    is due ``interval`` after the last one, and comes at the latest ``interval`` after the
    last step finished: the thread looks every ``interval`` while steps run, so a step that
    outlasted the interval is followed by a keepalive within one interval of its end.
+   "The end of the step" is rank 0's: under pipeline parallelism a step holds its token
+   until the last stage's output reached rank 0 (:mod:`.outputs`), and a stage-0 receiver
+   finished its part long before. Its wait is bounded by the time the steps stay in flight
+   after its part ended, plus ``interval`` plus the slack; not by the interval. A step
+   stays in flight at most ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` (the output's receive
+   fails the executor then), and while serving a new step is broadcast every step, so such
+   waits last about a step; a pipeline step in flight longer than the collective timeout
+   minus the interval would time out stage-0 receivers (the default step timeout, 300 s,
+   comes first with the default collective timeouts).
 3. After ``stop()`` or ``request_stop()`` returns, no keepalive begins. ``stop(timeout)``
    joins the thread for at most ``timeout`` seconds whatever the channel does (a thread stuck
    in a send is a daemon and is left behind). The executor then sends SHUTDOWN, the last frame
