@@ -74,6 +74,7 @@ from keepalive_executor.nccl import (
     NCCL_ERROR_HANDLING_MODES,
     error_handling_mode,
 )
+from keepalive_executor.torchrun.env import torchrun_local_world_size
 
 __all__ = [
     "ENV_INTERVAL",
@@ -83,7 +84,6 @@ __all__ = [
     "ENV_FAILURE_GRACE",
     "ENV_STARTUP_TIMEOUT",
     "ENV_LIVENESS_TIMEOUT",
-    "ENV_TORCHRUN_LOCAL_WORLD_SIZE",
     "ENV_EXECUTE_TIMEOUT",
     "ENV_ASYNC_SCHEDULING",
     "ADDITIONAL_CONFIG_INTERVAL",
@@ -94,7 +94,6 @@ __all__ = [
     "validate_interval",
     "default_interval",
     "default_liveness_timeout_s",
-    "torchrun_local_world_size",
     "group_timeout_s",
     "startup_timeout_s",
     "async_scheduling_opt_in",
@@ -113,10 +112,6 @@ ENV_LIVENESS_TIMEOUT = "VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S"
 ENV_EXECUTE_TIMEOUT = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
 ENV_ASYNC_SCHEDULING = "VLLM_KEEPALIVE_ASYNC_SCHEDULING"
 ADDITIONAL_CONFIG_INTERVAL = "keepalive_interval_s"
-#: torchrun's own LOCAL_WORLD_SIZE, saved by ``python -m keepalive_executor`` before vLLM
-#: runs: vLLM's CPU platform overwrites LOCAL_WORLD_SIZE with the TP size in its config check
-#: (vllm/platforms/cpu.py, 0.32), which made TP across two nodes look like one node.
-ENV_TORCHRUN_LOCAL_WORLD_SIZE = "_KEEPALIVE_TORCHRUN_LOCAL_WORLD_SIZE"
 
 #: torch.distributed's defaults (torch/distributed/constants.py: default_pg_timeout and
 #: default_pg_nccl_timeout).
@@ -331,12 +326,6 @@ def startup_timeout_s(env: Mapping[str, str] | None = None) -> float:
     """``VLLM_KEEPALIVE_STARTUP_TIMEOUT_S``, validated (read where each rank starts)."""
     env = os.environ if env is None else env
     return _positive_seconds(env, ENV_STARTUP_TIMEOUT, DEFAULT_STARTUP_TIMEOUT_S)
-
-
-def torchrun_local_world_size(env: Mapping[str, str]) -> str | None:
-    """torchrun's LOCAL_WORLD_SIZE as torchrun set it: the value the CLI saved before vLLM
-    rewrote the variable (see ENV_TORCHRUN_LOCAL_WORLD_SIZE), else the variable itself."""
-    return env.get(ENV_TORCHRUN_LOCAL_WORLD_SIZE) or env.get("LOCAL_WORLD_SIZE")
 
 
 def default_liveness_timeout_s(env: Mapping[str, str]) -> float:

@@ -18,11 +18,10 @@ from hypothesis import strategies as st
 from keepalive_executor.config import (
     DEFAULT_LIVENESS_TIMEOUT_MULTI_NODE_S,
     DEFAULT_LIVENESS_TIMEOUT_S,
-    ENV_TORCHRUN_LOCAL_WORLD_SIZE,
     KeepaliveConfigError,
     settings_from_vllm_config,
 )
-from keepalive_executor.torchrun.env import TorchrunEnv
+from keepalive_executor.torchrun.env import ENV_TORCHRUN_LOCAL_WORLD_SIZE, TorchrunEnv
 from keepalive_executor.torchrun.liveness import Heartbeat, LivenessCore, LivenessMonitor
 
 pytestmark = pytest.mark.serial  # alone on the machine: see pyproject.toml

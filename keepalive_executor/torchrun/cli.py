@@ -42,11 +42,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from keepalive_executor import exit_codes
-from keepalive_executor.config import (
-    ENV_TORCHRUN_LOCAL_WORLD_SIZE,
-    KeepaliveConfigError,
-    startup_timeout_s,
-)
+from keepalive_executor.config import KeepaliveConfigError, startup_timeout_s
 from keepalive_executor.log import get_logger, register_stack_dump
 from keepalive_executor.torchrun.bootstrap import (
     ENV_SECRET,
@@ -61,6 +57,7 @@ from keepalive_executor.torchrun.bootstrap import (
     watch_for_error,
 )
 from keepalive_executor.torchrun.env import (
+    ENV_TORCHRUN_LOCAL_WORLD_SIZE,
     LAUNCHER_ENV,
     TorchrunEnv,
     TorchrunError,

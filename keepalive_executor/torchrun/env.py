@@ -12,11 +12,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from keepalive_executor.config import torchrun_local_world_size
+from keepalive_executor.errors import KeepaliveConfigError
 from keepalive_executor.log import get_logger
 
 __all__ = [
     "LAUNCHER_ENV",
+    "ENV_TORCHRUN_LOCAL_WORLD_SIZE",
     "TorchrunEnv",
     "TorchrunError",
     "in_torchrun_mode",
@@ -25,12 +26,23 @@ __all__ = [
     "with_keepalive_backend",
     "default_gloo_interface",
     "set_parent_death_signal",
+    "torchrun_local_world_size",
 ]
 
 logger = get_logger(__name__)
 
 #: Set by the CLI on rank 0: the executor in this process tree is in torchrun mode.
 LAUNCHER_ENV = "KEEPALIVE_EXECUTOR_LAUNCHER"
+#: torchrun's own LOCAL_WORLD_SIZE, saved by ``python -m keepalive_executor`` before vLLM
+#: runs: vLLM's CPU platform overwrites LOCAL_WORLD_SIZE with the TP size in its config check
+#: (vllm/platforms/cpu.py, 0.32), which made TP across two nodes look like one node.
+ENV_TORCHRUN_LOCAL_WORLD_SIZE = "_KEEPALIVE_TORCHRUN_LOCAL_WORLD_SIZE"
+
+
+def torchrun_local_world_size(env: Mapping[str, str]) -> str | None:
+    """torchrun's LOCAL_WORLD_SIZE as torchrun set it: the value the CLI saved before vLLM
+    rewrote the variable (see ENV_TORCHRUN_LOCAL_WORLD_SIZE), else the variable itself."""
+    return env.get(ENV_TORCHRUN_LOCAL_WORLD_SIZE) or env.get("LOCAL_WORLD_SIZE")
 _REQUIRED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _BACKEND_FLAGS = ("--distributed-executor-backend", "--distributed_executor_backend")
 
@@ -124,8 +136,6 @@ def in_torchrun_mode(environ: Mapping[str, str] | None = None) -> bool:
 
 def check_world_size(parallel_config: Any, environ: Mapping[str, str] | None = None) -> None:
     """In torchrun mode, torchrun's WORLD_SIZE must be exactly the ranks vLLM asks for."""
-    from keepalive_executor.config import KeepaliveConfigError
-
     dp = getattr(parallel_config, "data_parallel_size", 1)
     if dp > 1:
         raise KeepaliveConfigError(
@@ -154,8 +164,6 @@ def check_features(vllm_config: Any) -> None:
     ``--mm-processor-cache-type shm``: vLLM's multimodal shared-memory cache needs one lock
     shared by every rank's process (``shared_worker_lock``), which a process can only hand to
     its own children; torchrun's ranks are not rank 0's children."""
-    from keepalive_executor.config import KeepaliveConfigError
-
     mm = getattr(getattr(vllm_config, "model_config", None), "multimodal_config", None)
     if mm is not None and getattr(mm, "mm_processor_cache_type", None) == "shm":
         raise KeepaliveConfigError(
