@@ -253,7 +253,7 @@ def test_resolving_leaves_every_value_but_an_async_output_as_it_is():
     the same object; only a plain pair holding an async output is rebuilt."""
     from collections import namedtuple
 
-    from keepalive_executor.driver import resolve_output
+    from keepalive_executor.outputs import resolve_output
 
     Pair = namedtuple("Pair", "language_model other")
     value = Pair(1, 2)
