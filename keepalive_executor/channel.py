@@ -104,7 +104,6 @@ __all__ = [
     "decode_header",
     "SequenceChecker",
     "BroadcastChannel",
-    "open_world_channel",
 ]
 
 MAGIC = b"KAch"
@@ -549,12 +548,3 @@ class _InFlight:
     works: list[Any]
     big: torch.Tensor | None  # the payload tensor of a two-collective message, kept alive
 
-
-def open_world_channel(spec: ChannelSpec,
-                       parallel_config: Any = None) -> tuple[BroadcastChannel, Any]:
-    """Moved to :func:`keepalive_executor.groups.open_world_channel`: which process groups
-    are built is not the wire format's business. Kept only until executor.py imports it
-    from there (then this alias, and its import of groups, go)."""
-    from keepalive_executor.groups import open_world_channel as open_on_groups
-
-    return open_on_groups(spec, parallel_config)

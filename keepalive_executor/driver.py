@@ -31,11 +31,9 @@ from typing import Any
 
 from keepalive_executor.binding import bind_threads, share_binding
 from keepalive_executor.log import get_logger
+from keepalive_executor.outputs import resolve_output
 
-# is_async_output: still imported from here by deferred.py until it imports it from outputs
-from keepalive_executor.outputs import is_async_output, resolve_output
-
-__all__ = ["DriverRank", "is_async_output"]
+__all__ = ["DriverRank"]
 
 logger = get_logger(__name__)
 

@@ -44,7 +44,6 @@ from typing import Any
 from vllm.v1.executor.abstract import Executor, FailureCallback
 
 from keepalive_executor import compat, nccl, torchrun
-from keepalive_executor.channel import open_world_channel
 from keepalive_executor.config import (
     KeepaliveSettings,
     async_scheduling_opt_in,
@@ -55,6 +54,7 @@ from keepalive_executor.config import (
 from keepalive_executor.connectors import merge as merge_connector_outputs
 from keepalive_executor.deferred import DeferredOutputs
 from keepalive_executor.driver import DriverRank
+from keepalive_executor.groups import open_world_channel
 from keepalive_executor.lifecycle import (
     ExecutorFailedError,
     ExecutorState,
@@ -66,6 +66,7 @@ from keepalive_executor.lifecycle import (
 from keepalive_executor.log import get_logger
 from keepalive_executor.outputs import OutputReceiver, open_output_link, output_rank
 from keepalive_executor.pacer import Pacer
+from keepalive_executor.polled import StepCaller
 from keepalive_executor.ranks import Ranks, make_ranks
 from keepalive_executor.rpc import Replies, RpcReply, RpcRequest, gather_replies
 from keepalive_executor.steps import StepRunner, execute_then_sample
@@ -126,6 +127,9 @@ class KeepaliveExecutor(Executor):
 
     uses_ray: bool = False
     supports_pp: bool = True
+    #: Whether the engine polls model steps while they run (polled.py); None: as the
+    #: installed vLLM release's engine does (compat.py). Tests set it on a subclass.
+    poll_steps: bool | None = None
 
     # ------------------------------------------------------------------ start-up
     @staticmethod
@@ -171,6 +175,7 @@ class KeepaliveExecutor(Executor):
         self._watch: StepWatch | None = None
         self._outputs: OutputReceiver | None = None
         self._pp_sample: Future | None = None
+        self._step_caller: StepCaller | None = None
         #: NCCL/RCCL: aborts this process's groups when a step is given up (nccl.py)
         self._abort_groups: Callable[[], object] | None = None
         #: every other rank's exit code, once shutdown reaped them (spawned ranks only)
@@ -249,6 +254,8 @@ class KeepaliveExecutor(Executor):
             error_window_s=settings.failure_grace_s, merge=self._merge_connector_outputs,
         )
         self._deferred = DeferredOutputs(self._steps.run_local)
+        if self._engine_polls_steps():
+            self._step_caller = StepCaller()
         if self._watch is None:
             self._watch = self._make_watch(settings)
         if not threads:
@@ -259,6 +266,14 @@ class KeepaliveExecutor(Executor):
             logger.warning("TEST ONLY: keepalive pacer disabled; idle workers will time out")
         else:
             self._pacer.start()
+
+    def _engine_polls_steps(self) -> bool:
+        """One batch at a time (no pipeline, no async scheduling) under an engine that
+        polls the step's future (polled.py)."""
+        polls = (compat.release().engine_polls_step_futures if self.poll_steps is None
+                 else self.poll_steps)
+        return (polls and not self._pp
+                and not getattr(self.scheduler_config, "async_scheduling", False))
 
     # ------------------------------------------------------------------ failure
     @property
@@ -401,6 +416,9 @@ class KeepaliveExecutor(Executor):
             call = partial(self._steps.execute_fused, scheduler_output, self._step_replies())
         else:
             call = partial(self._model_step, "execute_model", scheduler_output)
+        if non_block and self._step_caller is not None:
+            return self._step_caller.submit(partial(self._deferred.call, "execute_model",
+                                                    call, False))
         return self._deferred.call("execute_model", call, non_block)
 
     def sample_tokens(  # type: ignore[override]
@@ -491,6 +509,8 @@ class KeepaliveExecutor(Executor):
         if previous is ExecutorState.STOPPED:
             return
         failed = previous is ExecutorState.FAILED
+        if self._step_caller is not None:
+            self._step_caller.stop(timeout=SHUTDOWN_SEND_S)
         if self._pacer is not None:
             self._pacer.stop(timeout=SHUTDOWN_SEND_S)
         if self._outputs is not None:

@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from keepalive_executor import compat
 from keepalive_executor.log import STACK_DUMP_SIGNAL, get_logger
 
 __all__ = [
@@ -96,6 +97,7 @@ def spawn_worker(vllm_config: Any, rank: int, worker_kwargs: dict[str, Any],
     from keepalive_executor.worker_loop import worker_main
 
     ctx = get_mp_context()
+    local = rank if local_rank is None else local_rank
     ready_reader, ready_writer = ctx.Pipe(duplex=False)
     death_reader, death_writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(
@@ -103,7 +105,7 @@ def spawn_worker(vllm_config: Any, rank: int, worker_kwargs: dict[str, Any],
         kwargs=dict(
             vllm_config=vllm_config,
             rank=rank,
-            local_rank=rank if local_rank is None else local_rank,
+            local_rank=local,
             ready_pipe=ready_writer,
             death_pipe=death_reader,
             **worker_kwargs,
@@ -111,7 +113,7 @@ def spawn_worker(vllm_config: Any, rank: int, worker_kwargs: dict[str, Any],
         name=f"KeepaliveWorker-{rank}",
         daemon=True,
     )
-    with _omp_env(vllm_config, rank):
+    with _omp_env(vllm_config, rank), compat.worker_numa_binding(vllm_config, local):
         proc.start()
     ready_writer.close()
     death_reader.close()

@@ -33,13 +33,14 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
-from keepalive_executor import exit_codes, nccl
+from keepalive_executor import compat, exit_codes, nccl
 from keepalive_executor.channel import (
     BroadcastChannel,
     ChannelError,
     ChannelSpec,
     MessageKind,
 )
+from keepalive_executor.compat import WorkerWatchdog
 from keepalive_executor.connectors import step_reply
 from keepalive_executor.groups import open_world_channel
 from keepalive_executor.log import get_logger, register_stack_dump
@@ -104,15 +105,20 @@ def receive_loop(
     run: Any = run_request,
     output: Any = None,
     counts: ReceiveCounts | None = None,
+    watchdog: WorkerWatchdog | None = None,
 ) -> int:
     """Follow the driver until SHUTDOWN; return the number of keepalives seen.
 
     ``output``: this rank's end of the output link, if it is the output rank of a pipeline
     (it sends the result of every ``Replies.OUTPUT`` call to rank 0). ``counts``: where the
-    loop counts what it sees as it goes (a fresh one if not given)."""
+    loop counts what it sees as it goes (a fresh one if not given). ``watchdog``: vLLM's
+    stack-dump watchdog (compat.py), off while the loop waits, fed around each call."""
     counts = ReceiveCounts() if counts is None else counts
+    watchdog = WorkerWatchdog() if watchdog is None else watchdog
     while True:
-        msg = channel.recv()
+        with watchdog.waiting():
+            msg = channel.recv()
+        watchdog.feed()
         if msg.kind is MessageKind.KEEPALIVE:
             counts.keepalives += 1
             continue
@@ -136,9 +142,11 @@ def receive_loop(
                 raise WorkerStepError(f"rank {rank}: could not decode {call.name}: {call.error}")
         elif call.replies is Replies.OUTPUT:
             _run_output_step(worker, call.request, rank, run, output)
+            watchdog.feed()
             continue
         else:
             reply = _run_one(worker, call.request, rank, run)
+        watchdog.feed()
         if call.replies is not Replies.DRIVER:
             if call.replies is Replies.STEP:
                 reply = RpcReply(rank=rank, ok=True, value=step_reply(reply.value))
@@ -268,8 +276,9 @@ def run_worker(
         counts = ReceiveCounts()
         setattr(wrapper, _COUNTS_ATTR, counts)
         on_ready()
+        watchdog = compat.start_worker_watchdog(rank, vllm_config)  # after ready, as mp
         receive_loop(wrapper, channel, reply_group, rank=rank, world_size=world_size,
-                     output=output, counts=counts)
+                     output=output, counts=counts, watchdog=watchdog)
         if output is not None:
             output.close()
         code = exit_codes.OK

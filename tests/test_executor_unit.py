@@ -27,7 +27,10 @@ from keepalive_executor.config import KeepaliveSettings
 from keepalive_executor.driver import DriverRank
 from keepalive_executor.executor import KeepaliveExecutor
 from keepalive_executor.lifecycle import ExecutorFailedError, ExecutorState, WatchAction
+from keepalive_executor.polled import PolledStep
 from keepalive_executor.rpc import RpcReply, WorkerRpcError, decode_request
+
+pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
 
 INTERVAL = 1.0
 GRACE = 0.5
@@ -217,9 +220,11 @@ def echo_rank(worker, x=0):
 
 
 class UnitExecutor(KeepaliveExecutor):
-    """The real executor with fakes where processes and groups would be."""
+    """The real executor with fakes where processes and groups would be. Model steps run on
+    the engine's thread (vLLM 0.32/0.33's engine), whatever vLLM is installed."""
 
     fakes: dict = {}
+    poll_steps = False
 
     def _init_executor(self) -> None:
         f = UnitExecutor.fakes
@@ -230,7 +235,13 @@ class UnitExecutor(KeepaliveExecutor):
         self._abort_groups = f.get("abort")  # what a give-up runs on NCCL (nccl.py)
 
 
-def make_executor(trace: Trace, clock: Clock, gather, abort=None):
+class PolledUnitExecutor(UnitExecutor):
+    """The same, on the step path of an engine that polls (vLLM 0.34: polled.py)."""
+
+    poll_steps = True
+
+
+def make_executor(trace: Trace, clock: Clock, gather, abort=None, poll_steps: bool = False):
     echo_rank.trace = trace
     cfg = SimpleNamespace(model_config=None, cache_config=None, lora_config=None,
                           load_config=None, parallel_config=SimpleNamespace(
@@ -245,7 +256,7 @@ def make_executor(trace: Trace, clock: Clock, gather, abort=None):
                                    interval_source="test", timeout_source="test",
                                    failure_grace_s=GRACE, execute_timeout_s=STEP_TIMEOUT),
     )
-    return UnitExecutor(cfg), channel, driver
+    return (PolledUnitExecutor if poll_steps else UnitExecutor)(cfg), channel, driver
 
 
 def so(structured: bool = False, fused_none: bool = True):
@@ -268,6 +279,8 @@ class ExecutorMachine(RuleBasedStateMachine):
     """The model: whether the executor must be failed (and why), the sampled output the
     engine's next ``sample_tokens`` must get, and how many broadcasts every call costs."""
 
+    poll_steps = False  # PolledExecutorMachine: the step path of vLLM 0.34's engine
+
     def __init__(self) -> None:
         super().__init__()
         self.trace = Trace()
@@ -282,7 +295,8 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.gave_up = False  # per the model: a step was given up
         self.ex, self.channel, self.driver = make_executor(
             self.trace, self.clock, self._gather,
-            abort=lambda: self.aborts.append(threading.current_thread().name))
+            abort=lambda: self.aborts.append(threading.current_thread().name),
+            poll_steps=self.poll_steps)
         self.worker = self.driver.worker
         echo_rank.trace = self.trace
         self.pacer = self.ex._pacer
@@ -636,7 +650,9 @@ class ExecutorMachine(RuleBasedStateMachine):
                      lambda: self.ex.check_health()):
             self._expect_refused(call)
         future = self.ex.execute_model(so(), non_block=True)
-        assert future.done() and isinstance(future.exception(), ExecutorFailedError)
+        if not self.poll_steps:  # refused before it returns; polled: through the future
+            assert future.done()
+        assert isinstance(future.exception(timeout=10), ExecutorFailedError)
         self.pending = None
 
     # -- invariants: the model's prediction against what the executor shows ------------
@@ -687,6 +703,24 @@ class ExecutorMachine(RuleBasedStateMachine):
 ExecutorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                              deadline=None)
 TestExecutorMachine = ExecutorMachine.TestCase
+
+
+class PolledExecutorMachine(ExecutorMachine):
+    """The same model on the step path vLLM 0.34's engine takes (polled.py): a non-blocking
+    model step returns a future at once and runs on the step thread; the engine then waits
+    for it (``wait_briefly``, then ``result()``) before its next call."""
+
+    poll_steps = True
+
+    def _track(self, value):
+        if isinstance(value, PolledStep):
+            value.exception(timeout=30)  # the engine waits for the step
+        return super()._track(value)
+
+
+PolledExecutorMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+                                                   deadline=None)
+TestPolledExecutorMachine = PolledExecutorMachine.TestCase
 
 
 DRIVER_THREAD = "keepalive-driver-under-test"
