@@ -15,6 +15,7 @@ collective never times out. Layout (one module, one role):
 * :mod:`~keepalive_executor.steps`       one step on the channel, top-down
 * :mod:`~keepalive_executor.driver`      rank 0's worker, on a thread of its own
 * :mod:`~keepalive_executor.binding`     which CPUs a rank's threads run on (rank 0 and workers)
+* :mod:`~keepalive_executor.polled`      vLLM 0.34: model steps the engine polls while they run
 * :mod:`~keepalive_executor.deferred`    async scheduling: rank 0's outputs, resolved lazily
 * :mod:`~keepalive_executor.nccl`        what the GPU path relies on from NCCL/RCCL and torch
 * :mod:`~keepalive_executor.outputs`     pipeline parallelism: the last stage's outputs
