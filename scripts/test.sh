@@ -6,7 +6,15 @@
 #      nothing else running.
 # Extra arguments go to one plain pytest run instead, e.g. `bash scripts/test.sh -m "not slow"`
 # or `bash scripts/test.sh tests/test_pacer.py`.
+# `bash scripts/test.sh --fast`: the everyday tier, the same two phases over the tests marked
+# `fast` only (pure and property tests, a few in-process engine runs; at most 5 minutes).
 set -euo pipefail
+only=""  # a marker expression the two phases are limited to
+if [ "${1:-}" = "--fast" ]; then
+  if [ $# -gt 1 ]; then echo "test.sh: --fast takes no other arguments" >&2; exit 2; fi
+  only="fast and "
+  shift
+fi
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/scripts/setup.sh"
 venv="${KEEPALIVE_VENV:-$repo/.venv}"
@@ -19,9 +27,9 @@ if [ $# -gt 0 ]; then
 fi
 start=$(date +%s)
 status=0
-"${pytest[@]}" -n 2 --dist loadgroup -m "not serial" tests || status=$?
+"${pytest[@]}" -n 2 --dist loadgroup -m "${only}not serial" tests || status=$?
 phase1=$(date +%s)
-"${pytest[@]}" -m serial tests || status=$?
+"${pytest[@]}" -m "${only}serial" tests || status=$?
 end=$(date +%s)
 echo "test.sh: phase 1 (two at a time) $((phase1 - start)) s, phase 2 (serial)" \
      "$((end - phase1)) s, in all $((end - start)) s; exit status $status"

@@ -11,7 +11,10 @@ IDLE_S = 10.0  # two 5 s timeouts: only the keepalive keeps the worker's wait al
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("multiprocessing,transport", [("1", "device"), ("0", "cpu")],
+@pytest.mark.parametrize("multiprocessing,transport", [
+    ("1", "device"),
+    pytest.param("0", "cpu", marks=pytest.mark.fast),  # in `scripts/test.sh --fast`
+],
                          ids=["engine-core-process", "in-process-cpu-transport"])
 def test_async_engine_streams_abort_idle_shutdown(tiny_model, multiprocessing, transport):
     """The second variant also runs the channel on the gloo CPU group

@@ -24,6 +24,8 @@ from keepalive_executor.channel import (
 )
 from keepalive_executor.rpc import RpcSerializationError, deserialize, serialize
 
+pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
+
 LIMIT = 1 << 30
 
 headers = st.builds(

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from keepalive_executor import channel as channel_mod
 from keepalive_executor.channel import SEND_WINDOW, BroadcastChannel
 
+pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
+
 
 @pytest.fixture
 def one_rank_group():

@@ -23,6 +23,8 @@ from keepalive_executor.config import (
 )
 from keepalive_executor.nccl import ENV_NCCL_ERROR_HANDLING, error_handling_mode
 
+pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
+
 
 def cfg(timeout=None, cpu_timeout=None, additional=None, pp=1, dp=1, nnodes=1, pcp=1,
         dp_local=None):

@@ -20,6 +20,7 @@ def keepalive_run(tiny_model, tmp_path_factory):
                       extras=True, shard_dir=str(shards))
 
 
+@pytest.mark.fast  # in `scripts/test.sh --fast`: this engine run, not the references (README)
 def test_the_model_steps_ran_on_the_step_thread(keepalive_run):
     """The polled path was the one taken (polled.py starts the thread on the first
     non-blocking execute_model; the default path on vLLM 0.32 never starts it)."""
@@ -37,7 +38,7 @@ def test_greedy_outputs_equal_mp_and_tp1(keepalive_run, reference):
     assert keepalive_run["tokens"] == tp1["tokens"]
 
 
-@pytest.mark.fast  # in `scripts/test.sh --fast` (its engine run, no reference: see README)
+@pytest.mark.fast
 def test_collective_rpc_callable_runs_on_every_rank_in_order(keepalive_run):
     ranks = [r for r, _ in keepalive_run["whoami"]]
     pids = [p for _, p in keepalive_run["whoami"]]

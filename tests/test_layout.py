@@ -3,7 +3,11 @@
 import re
 from pathlib import Path
 
+import pytest
+
 import keepalive_executor
+
+pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
 
 ROOT = Path(keepalive_executor.__file__).resolve().parent
 README = (ROOT.parent / "README.md").read_text()

@@ -22,6 +22,8 @@ from keepalive_executor.lifecycle import (
     decide,
 )
 
+pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
+
 ORDER = {ExecutorState.RUNNING: 0, ExecutorState.FAILED: 1, ExecutorState.STOPPED: 2}
 
 

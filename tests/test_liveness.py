@@ -38,6 +38,7 @@ TOLERATED_STALL_S = TIMEOUT - 2 * BEAT
 TOLERATED_FAILED_BEATS = round(TOLERATED_STALL_S / BEAT)
 
 
+@pytest.mark.fast  # in `scripts/test.sh --fast`: the pure decisions (no sleeps)
 @given(st.lists(st.tuples(st.sampled_from([1, 2]), st.floats(0.0, 3.0)), max_size=40))
 def test_a_rank_is_lost_exactly_when_its_counter_has_not_moved_for_the_timeout(beats):
     core = LivenessCore([1, 2], TIMEOUT, now=0.0)
@@ -59,6 +60,7 @@ def test_a_rank_is_lost_exactly_when_its_counter_has_not_moved_for_the_timeout(b
 _step = st.tuples(st.floats(0.0, 2.0), st.sampled_from(["raise", "same", "moved"]))
 
 
+@pytest.mark.fast
 @given(st.lists(_step, max_size=60))
 def test_the_store_is_lost_exactly_when_no_read_answered_for_the_timeout(steps):
     """Failed reads are not a loss by themselves: only silence past the timeout is, and a
@@ -83,6 +85,7 @@ def test_the_store_is_lost_exactly_when_no_read_answered_for_the_timeout(steps):
         assert bool(core.lost(now)) == (answered - moved > TIMEOUT)
 
 
+@pytest.mark.fast
 @given(st.lists(_step, max_size=60))
 def test_the_monitors_own_stalls_count_as_one_period_and_nothing_else_changes(steps):
     """The same steps, each a decision (tick) first: a gap of up to two periods counts in
@@ -109,6 +112,7 @@ def test_the_monitors_own_stalls_count_as_one_period_and_nothing_else_changes(st
         assert bool(core.lost(clock)) == (answered - moved > TIMEOUT + 1e-9)
 
 
+@pytest.mark.fast
 def test_a_stall_of_the_monitor_is_excused_whichever_thread_runs_first_after_it():
     """vLLM's full GC at the end of its start-up held the engine's GIL ~2 s (timeout 1.5 s).
     Without tick() that read as a silent store (the first assertion, the old verdict); after
@@ -137,6 +141,7 @@ def test_a_stall_of_the_monitor_is_excused_whichever_thread_runs_first_after_it(
         assert core.lost(t)
 
 
+@pytest.mark.fast
 def test_a_blocked_store_is_silent_without_any_call_returning_and_no_rank_is_lost():
     core = LivenessCore([1, 2], TIMEOUT, now=10.0)
     core.observe(1, 0, 10.0)
@@ -171,6 +176,7 @@ def _liveness(env: dict[str, str]) -> float:
     return settings_from_vllm_config(_Config(), env=env, dist_backend="gloo").liveness_timeout_s
 
 
+@pytest.mark.fast
 def test_default_is_low_on_one_node_higher_across_nodes_and_the_setting_wins():
     assert _liveness({}) == DEFAULT_LIVENESS_TIMEOUT_S == 1.5  # spawned mode, or no torchrun
     assert _liveness({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}) == 1.5
@@ -183,6 +189,7 @@ def test_default_is_low_on_one_node_higher_across_nodes_and_the_setting_wins():
         _liveness({**across, "VLLM_KEEPALIVE_LIVENESS_TIMEOUT_S": "0"})
 
 
+@pytest.mark.fast
 def test_across_nodes_survives_vllm_rewriting_local_world_size():
     """vLLM's CPU platform sets LOCAL_WORLD_SIZE to the TP size in the engine's process, so
     TP=2 over two one-rank nodes read as one node (1.5 s: seen failing a two-node start-up
@@ -251,6 +258,7 @@ class Watch:
         self.beat.stop()
 
 
+@pytest.mark.fast  # in `scripts/test.sh --fast`: one heartbeat run, and its control
 @pytest.mark.parametrize("beating", [False, True], ids=["silent", "negative-control"])
 def test_monitor_reports_a_silent_rank_within_2s_and_not_a_beating_one(tcp_store, beating):
     _, _, client = tcp_store

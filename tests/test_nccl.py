@@ -14,6 +14,8 @@ from keepalive_executor import exit_codes, nccl
 from keepalive_executor.config import KeepaliveConfigError
 from keepalive_executor.worker_loop import clean_up
 
+pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
+
 
 def test_error_handling_is_set_to_abort_without_teardown_before_the_first_group():
     env: dict[str, str] = {}

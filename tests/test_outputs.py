@@ -17,6 +17,8 @@ from keepalive_executor.lifecycle import ExecutorFailedError
 from keepalive_executor.outputs import OutputLink, OutputReceiver, OutputSender
 from keepalive_executor.rpc import Replies, RpcReply, RpcRequest, WorkerRpcError, encode_request
 
+pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
+
 
 class FakeLink:
     """What OutputReceiver needs of an OutputLink: ``src`` and a blocking ``recv()``."""

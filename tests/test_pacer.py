@@ -17,6 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from keepalive_executor.pacer import Pacer, PacerCore, PacerError, PacerState
 
+pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
+
 INTERVAL = 1.0
 
 

@@ -5,6 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
+pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
+
 
 def cfg(backend):
     return SimpleNamespace(

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
+
 HERE = Path(__file__).resolve().parent
 
 # A starter at nice 7 opens a new session for ``cat /proc/self/autogroup``, with or without

@@ -9,6 +9,7 @@ import os
 import re
 from pathlib import Path
 
+import pytest
 import run_engine
 from conftest import SNAPSHOT_ENV
 from reference_calls import REFERENCES
@@ -21,6 +22,8 @@ from run_engine import (
     with_references,
 )
 from test_parity import COMPARED
+
+pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
 
 HERE = Path(__file__).resolve().parent
 #: the references compared outside tests/test_parity.py, and the modules that compare them
