@@ -8,6 +8,8 @@
 # or `bash scripts/test.sh tests/test_pacer.py`.
 # `bash scripts/test.sh --fast`: the everyday tier, the same two phases over the tests marked
 # `fast` only (pure and property tests, a few in-process engine runs; at most 5 minutes).
+# The whole run first runs the no-engine tier on vLLM 0.33 and 0.34, each in a venv of its own
+# (scripts/test_versions.sh; KEEPALIVE_SKIP_VERSIONS=1 skips it), then the two phases on 0.32.
 set -euo pipefail
 only=""  # a marker expression the two phases are limited to
 if [ "${1:-}" = "--fast" ]; then
@@ -25,8 +27,14 @@ if [ $# -gt 0 ]; then
   if [ -e "${1%%::*}" ]; then exec "${pytest[@]}" "$@"; fi
   exec "${pytest[@]}" tests "$@"
 fi
-start=$(date +%s)
 status=0
+if [ -z "$only" ] && [ -z "${KEEPALIVE_SKIP_VERSIONS:-}" ]; then
+  versions_start=$(date +%s)
+  bash "$repo/scripts/test_versions.sh" || status=$?
+  echo "test.sh: the no-engine tier on vLLM 0.33 and 0.34 (set-up included)" \
+       "$(($(date +%s) - versions_start)) s; exit status $status"
+fi
+start=$(date +%s)
 "${pytest[@]}" -n 2 --dist loadgroup -m "${only}not serial" tests || status=$?
 phase1=$(date +%s)
 "${pytest[@]}" -m "${only}serial" tests || status=$?

