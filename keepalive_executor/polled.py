@@ -17,6 +17,16 @@ driver's thread: ``steps.py``); the engine's next call to the executor (``sample
 calls before anything else of the step's. A failure, a give-up, or shutdown resolves the
 future with the step's error, as the blocking call would have raised it.
 
+What runs beside the step: the engine's thread takes in ``ADD``, ``ABORT``,
+``EXECUTOR_FAILED`` and ``WAKEUP`` (``_INPUTS_HANDLED_DURING_STEP``; anything else waits
+for the step) and builds the grammar bitmask, while the step thread encodes the scheduler
+output and rank 0 runs on it. mp's workers read copies; rank 0 reads the engine's own
+object. Read in 0.34's scheduler: ``add_request`` appends to its queues and
+``finish_requests`` frees the request's blocks and moves it between its sets; neither writes
+into a ``SchedulerOutput`` already built (its new requests share only the prompt's token ids
+and sampling parameters with the engine's ``Request``, which neither changes), so both read
+a stable object. That is a reading of the source, not a run: no 0.34 engine runs here.
+
 ``wait_briefly`` does not spin: it sleeps on the future in slices of
 :data:`WAIT_SLICE_S`, looking at the engine's input queue between slices, until the step
 is done, an input is pending or the engine's deadline passes (the engine bounds that
