@@ -108,10 +108,30 @@ def slow_start(model: str, timeout_s: int) -> dict:
 
 def startup_death(model: str, stamp: str, backend: str = "keepalive") -> dict:
     """Start TP=2 with rank 1 dying after ALIVE, before the rendezvous (see
-    fault_injection.SlowStartCPUWorker): how long after the death start-up fails, and how."""
+    fault_injection.SlowStartCPUWorker): how long after the death start-up fails, and how;
+    and when after it the executor logged its failure and its give-up of rank 0's wait
+    (``failed_after_death_s``, ``gave_up_after_death_s``; None if it logged none)."""
+    import logging
+
     set_binding(2)
     from vllm import LLM
 
+    logged: dict[str, float] = {}
+    make_record = logging.getLogRecordFactory()
+
+    def noting_moments(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        # the record factory, not a handler: vLLM's logging set-up during LLM() resets the
+        # handlers of every logger below ``vllm``
+        record = make_record(*args, **kwargs)
+        if record.name.startswith("vllm.keepalive_executor"):
+            text = record.getMessage()
+            if text.startswith("keepalive executor failed:"):
+                logged.setdefault("failed", record.created)
+            elif "still inside" in text:
+                logged.setdefault("gave_up", record.created)
+        return record
+
+    logging.setLogRecordFactory(noting_moments)
     try:
         LLM(**engine_kwargs(model, 2, backend,
                             worker_cls="fault_injection.SlowStartCPUWorker"))
@@ -119,8 +139,10 @@ def startup_death(model: str, stamp: str, backend: str = "keepalive") -> dict:
         failed_at = time.time()
         with open(stamp) as f:
             died_at = float(f.read())
+        since = {f"{k}_after_death_s": logged[k] - died_at if k in logged else None
+                 for k in ("failed", "gave_up")}
         return {"started": False, "error": f"{type(e).__name__}: {e}",
-                "after_death_s": failed_at - died_at}
+                "after_death_s": failed_at - died_at, **since}
     return {"started": True}
 
 

@@ -24,14 +24,15 @@ from servers import Server, by_title
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 DETECT_BOUND_S = 15.0  # worker death -> server gone (vLLM's own shutdown after unhealthy)
-# Rank 1 raises inside a step -> the client's HTTP 500. Observed 1.23 s; the old fixed 5 s
-# grace took 5.46 s, which this bound fails.
-RAISE_BOUND_S = 4.0
+# Rank 1 raises inside a step -> the client's HTTP 500: README's 1.5 s. Observed 1.23 s, and
+# 1.27 s with the machine's load at 16 (rank 1's own clean-up, then vLLM's error path); the
+# old fixed 5 s grace took 5.46 s.
+RAISE_BOUND_S = 1.5
 CLIENT_BOUND_S = 30.0  # worker death mid-stream -> every client has an error or end of stream
-# Worker SIGKILL with 8 streams -> every client has its error. The target is 1.5 s (measured
-# in benchmarks/bench_faults.py); this bound leaves room for a loaded machine and still fails
-# on the old fixed 5 s grace (5.2 s measured then).
-KILL_REACTION_BOUND_S = 4.0
+# Worker SIGKILL with 8 streams -> every client has its error: README's 1.5 s (this module
+# runs alone, marked serial). Observed 0.76 s (benchmarks/bench_faults.py); the old fixed 5 s
+# grace took 5.2 s.
+KILL_REACTION_BOUND_S = 1.5
 WORKER_EXIT_BOUND_S = 10.0  # engine process death -> every worker gone
 SHUTDOWN_BOUND_S = 30.0  # SIGTERM/SIGINT -> server exited
 
