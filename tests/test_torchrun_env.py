@@ -342,6 +342,37 @@ def test_an_error_waits_for_no_acknowledgement_from_a_rank_that_cannot_read_it(s
         assert waited < 2
 
 
+@pytest.mark.parametrize("acknowledged", [True, False], ids=["acknowledged", "control-silent"])
+def test_rank_0s_second_error_post_waits_only_for_the_ranks_the_first_signed_in(store_env,
+                                                                                 acknowledged):
+    """Rank 0 has two posters: the engine process (`tell_error`, no wait for readers) and
+    then the launcher (`_lead`, which waits for the acknowledgements). With rank 2's nonce
+    never posted, the launcher used to wait for that nonce again, before finding the claim
+    taken, then for rank 2's acknowledgement of an error it cannot read (the bounds here are
+    6 s each; 30 s and 60 s in production). Control: rank 1, signed in, does not acknowledge,
+    and is waited for until the bound."""
+    import time
+
+    from keepalive_executor.torchrun.bootstrap import post_error, post_nonce
+
+    store, env1 = store_env
+    world = {**GOOD, "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(env1.master_port)}
+    rank1, rank0 = (TorchrunEnv.from_environ({**world, "RANK": r}) for r in ("1", "0"))
+    post_nonce(store, rank1)  # rank 2 never posts one
+    assert post_error(store, rank0, "engine: boom", SECRET, nonce_wait_s=0.2)  # the engine
+    if acknowledged:
+        store.add(rank1.key("error-seen"), 1)  # rank 1 read it
+    t0 = time.monotonic()
+    assert not post_error(store, rank0, "launcher: boom", SECRET,
+                          wait_s=6 if acknowledged else 3, nonce_wait_s=6)
+    waited = time.monotonic() - t0
+    if acknowledged:
+        assert waited < 2
+    else:
+        assert 3 <= waited < 5
+
+
 def test_error_post_waits_for_the_other_ranks_to_have_read_it(store_env):
     import threading
     import time

@@ -371,12 +371,26 @@ def _post_bootstrap(store: Any, env: TorchrunEnv, payload: dict[str, Any], secre
                     nonce_wait_s: float, *, partial: bool) -> int | None:
     """:func:`post_bootstrap`, returning None if something was there first, else the number
     of followers whose nonces were signed in (the ranks that can accept it)."""
+    claim = env.key("bootstrap-claim")
+    if store.check([claim]):
+        return None  # rank 0's other process posted first: no nonce to wait for
     nonces = wait_nonces(store, env, nonce_wait_s, partial=partial)
-    if store.add(env.key("bootstrap-claim"), 1) != 1:
+    if store.add(claim, 1) != 1:
         return None
     key = env.key("bootstrap")
     store.set(key, sign(secret, key, {"version": BOOTSTRAP_VERSION, **payload}, nonces))
     return sum(1 for n in nonces if n != bytes(NONCE_BYTES))
+
+
+def _signed_in(raw: bytes) -> int:
+    """How many followers' nonces a posted value holds (zeros stand for a rank that posted
+    none in time): the ranks that can read it. Only for a value :func:`verify` accepted."""
+    raw = bytes(raw)
+    head = len(_MAGIC) + _MAC_BYTES
+    n = int.from_bytes(raw[head : head + _COUNT_BYTES], "big")
+    block = raw[head + _COUNT_BYTES : head + _COUNT_BYTES + n * NONCE_BYTES]
+    zero = bytes(NONCE_BYTES)
+    return sum(1 for i in range(n) if block[i * NONCE_BYTES : (i + 1) * NONCE_BYTES] != zero)
 
 
 def post_error(store: Any, env: TorchrunEnv, message: str, secret: bytes,
@@ -392,19 +406,22 @@ def post_error(store: Any, env: TorchrunEnv, message: str, secret: bytes,
     signed = _post_bootstrap(store, env, {"error": message}, secret, nonce_wait_s,
                              partial=True)
     posted = signed is not None
-    # who can read it: the followers signed in (one whose nonce came later refuses the error
-    # as stale and fails on its own, so it never acknowledges), or all when another posted it
-    readers = signed if signed is not None else env.world_size - 1
-    if not posted:
+    # who can read it: the followers signed into it, by this call or by rank 0's other
+    # process (one whose nonce came later refuses the error as stale and fails on its own,
+    # so it never acknowledges)
+    readers = signed
+    if readers is None:
         key = env.key("bootstrap")
         with contextlib.suppress(Exception):
             store.wait([key], datetime.timedelta(seconds=5))
         try:
-            boot = verify(secret, key, store.get(key))
+            raw = store.get(key)
+            boot = verify(secret, key, raw)
         except Exception:  # noqa: BLE001 - not ours: the followers refuse it themselves
             return False
         if "error" not in boot:
             return False  # the configuration went out: the ranks learn of it otherwise
+        readers = _signed_in(raw)
     # a hint, unsigned: the bootstrap is an error (a follower still importing vLLM reads it
     # then, without unpickling a configuration; the error itself is checked as ever)
     store.set(env.key(ERROR_HINT), b"1")
