@@ -12,10 +12,13 @@ Nothing here ran on a GPU; every rule below is built to the sources named in doc
   raise) before its first NCCL group exists, unless the user chose a mode. The modes and
   what each does to a process are here (:data:`NCCL_ERROR_HANDLING_MODES`); the settings
   check reads the variable through :func:`error_handling_mode`.
-* **Abort** (:func:`abort_groups`). A step given up after a failure leaves NCCL kernels
-  spinning on the GPU (an all-reduce that waits for a dead peer never ends on its own): the
-  process groups are aborted (``ncclCommAbort``) so that the kernels end, the GPU is released
-  and no watchdog later times out on them. Off the calling thread, bounded.
+* **Abort** (:func:`abort_groups`). A step given up after a failure leaves kernels waiting
+  on the GPU for a dead peer: the NCCL backends of torch's process groups are aborted
+  (``ncclCommAbort``), so that *their* kernels end and no watchdog later times out on them.
+  Gloo groups and torch's group table are left alone (threads may still hold them). vLLM's
+  custom all-reduce (and its quick/symmetric-memory all-reduces, and its own pynccl
+  communicators) are not torch's groups: their kernels run until the process exits.
+  Off the calling thread, bounded.
 * **The channel's own communicator** (:func:`channel_group`). On NCCL/RCCL with
   ``VLLM_KEEPALIVE_TRANSPORT=device``, the channel broadcasts on a communicator of its own,
   limited to ``CHANNEL_MAX_CTAS`` CTA (``ncclConfig_t.maxCTAs``, torch's
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -36,7 +39,7 @@ from keepalive_executor.log import get_logger
 
 __all__ = ["CHANNEL_MAX_CTAS", "ENV_NCCL_ERROR_HANDLING", "KEEPALIVE_NCCL_ERROR_HANDLING",
            "NCCL_ERROR_HANDLING_MODES", "error_handling_mode", "apply_error_handling",
-           "abort_groups", "channel_group", "channel_group_options"]
+           "abort_groups", "abort_nccl_backends", "channel_group", "channel_group_options"]
 
 logger = get_logger(__name__)
 
@@ -100,24 +103,63 @@ def apply_error_handling(dist_backend: str,
     return mode
 
 
-def _abort_all() -> None:
-    """torch's own abort of every group of this process, inside one ncclGroupStart/End so
-    that the communicators' aborts cannot deadlock each other (pytorch#119797)."""
+def _nccl_backend(group: Any) -> Any:
+    """``group``'s NCCL/RCCL backend, or None (a gloo group, or a torch without NCCL)."""
+    import torch
     from torch.distributed import distributed_c10d
 
-    distributed_c10d._abort_process_group()
+    if not distributed_c10d.is_nccl_available():
+        return None
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except RuntimeError:
+        return None
+    return backend if isinstance(backend, distributed_c10d.ProcessGroupNCCL) else None
 
 
-def abort_groups(wait_s: float = 0.0, abort: Callable[[], None] = _abort_all,
+def abort_nccl_backends(groups: Iterable[Any],
+                        nccl_backend: Callable[[Any], Any] = _nccl_backend) -> int:
+    """Abort the NCCL backend of each of ``groups`` (newest first, each backend once), inside
+    one ncclGroupStart/End as torch's ``_abort_process_group()`` does so that the aborts
+    cannot deadlock each other (pytorch#119797); return how many were aborted.
+
+    Unlike torch's, nothing else is touched: a gloo group, or the gloo side of a mixed group,
+    keeps working (the pacer and the output thread may still hold one), and torch's group
+    table is left as it is (torch's empties it, and every later use of a group raises)."""
+    backends: list[Any] = []
+    for group in reversed(list(groups)):
+        backend = nccl_backend(group)
+        if backend is not None and all(backend is not b for b in backends):
+            backends.append(backend)
+    if not backends:
+        return 0
+    backends[0]._group_start()
+    try:
+        for backend in backends:
+            backend.abort()
+    finally:
+        backends[0]._group_end()
+    return len(backends)
+
+
+def _abort_nccl_groups() -> None:
+    """Every NCCL group of this process (torch's group table, in creation order)."""
+    from torch.distributed import distributed_c10d
+
+    abort_nccl_backends(list(distributed_c10d._world.pg_map))
+
+
+def abort_groups(wait_s: float = 0.0, abort: Callable[[], object] = _abort_nccl_groups,
                  ) -> threading.Thread:
-    """Abort this process's NCCL groups on the thread ``keepalive-abort-groups`` (torch's
-    abort may block up to the group timeout); wait for it at most ``wait_s``. An abort that
-    raises is logged: this is already a failure path."""
+    """Abort this process's NCCL groups (:func:`abort_nccl_backends`) on the thread
+    ``keepalive-abort-groups`` (torch's abort may block up to the group timeout); wait for it
+    at most ``wait_s``. An abort that raises is logged: this is already a failure path."""
 
     def run() -> None:
         try:
             abort()
-            logger.warning("keepalive: NCCL process groups aborted (their kernels end)")
+            logger.warning("keepalive: torch's NCCL communicators aborted (their kernels end; "
+                           "vLLM's custom all-reduce kernels run until the process exits)")
         except Exception:  # noqa: BLE001 - best effort on a failure path
             logger.exception("keepalive: aborting the NCCL process groups failed")
 

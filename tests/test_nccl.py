@@ -51,6 +51,63 @@ def test_abort_runs_on_a_thread_of_its_own_and_the_wait_for_it_is_bounded():
     nccl.abort_groups(wait_s=5, abort=lambda: 1 / 0).join(5)
 
 
+def test_the_abort_leaves_gloo_groups_and_torchs_group_table_alone(tmp_path):
+    """The pacer and the output thread may still hold gloo groups when a step is given up:
+    the abort must not pull them from under those threads (torch's ``_abort_process_group()``
+    aborts every group, gloo ones too, and empties torch's group table). A one-rank gloo world
+    in this process; on this CPU-only torch no group has an NCCL backend, so nothing is
+    aborted and every group still works afterwards."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=30))
+    try:
+        sub = dist.new_group([0], backend="gloo")
+        nccl.abort_groups(wait_s=10).join(10)
+        assert dist.is_initialized()
+        for group in (None, sub):
+            t = torch.ones(2)
+            dist.broadcast(t, src=0, group=group)
+            dist.all_reduce(t, group=group)
+            assert t.tolist() == [1.0, 1.0]
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+class FakeBackend:
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def _group_start(self) -> None:
+        self.calls.append("group_start")
+
+    def _group_end(self) -> None:
+        self.calls.append("group_end")
+
+    def abort(self) -> None:
+        self.calls.append(f"abort {self.name}")
+
+
+def test_only_the_nccl_backends_are_aborted_newest_first_inside_one_nccl_group():
+    """What torch's abort does to NCCL (one ncclGroupStart/End around every communicator's
+    abort, pytorch#119797), without its gloo side: a mixed group (vLLM's world: cuda:nccl,
+    cpu:gloo) loses its NCCL backend only; a gloo group is not touched; a backend shared by
+    two group objects is aborted once."""
+    calls: list[str] = []
+    world, tp, channel = (FakeBackend(n, calls) for n in ("world", "tp", "channel"))
+    groups = ["world", "world-cpu", "tp", "tp-cpu", "channel", "alias-of-tp"]
+    nccl_of = {"world": world, "tp": tp, "channel": channel, "alias-of-tp": tp}
+    assert nccl.abort_nccl_backends(groups, nccl_of.get) == 3
+    assert calls == ["group_start", "abort tp", "abort channel", "abort world", "group_end"]
+    calls.clear()
+    assert nccl.abort_nccl_backends(["world-cpu", "tp-cpu"], nccl_of.get) == 0
+    assert calls == []
+
+
 class FakeConfig:
     min_ctas = max_ctas = None
 
