@@ -350,8 +350,10 @@ class KeepaliveExecutor(Executor):
                "failed rank and cannot finish)")
         self._driver.abandon(ExecutorFailedError(f"keepalive executor failed: {why}"))
         if self._abort_groups is not None:
-            # the given-up step's kernels would spin on the GPU until the process exits,
-            # and torch's watchdog would time out on them: end them (ncclCommAbort)
+            # the given-up step's kernels on torch's NCCL groups would spin until the
+            # process exits, and torch's watchdog would time out on them: abort those
+            # (ncclCommAbort). vLLM's custom all-reduce and pynccl kernels are not torch's
+            # and keep spinning until vLLM's error path ends the process (design.md)
             self._abort_groups()
         logger.critical(
             "keepalive executor: %s. The pending call fails, and every later call; rank 0's "
@@ -479,10 +481,14 @@ class KeepaliveExecutor(Executor):
         times, which the engine iterates). Then, with pipeline parallelism on vLLM's V1 model
         runner (0.32, 0.33), the receive buffer it allocates only in a warm-up run that eager
         mode skips on CPU; without it every stage but the first fails its first step (mp
-        too: docs/usage.md)."""
+        too: docs/usage.md). Every rank has answered its warm-up then, which on GPUs ends in
+        a full garbage collection (``freeze_gc_heap``) holding its GIL: the ranks' start-up
+        is over."""
         compilation_times = super().compile_or_warm_up_model()
         if self._pp and compat.release().pipeline_buffer_fix:
             self.collective_rpc(_allocate_pipeline_buffers)
+        if self._ranks is not None:
+            self._ranks.end_startup()
         return compilation_times
 
     def check_health(self) -> None:
