@@ -52,6 +52,13 @@ def whoami(worker: Any) -> tuple[int, int]:
     return (worker.rank, os.getpid())
 
 
+def thread_names(worker: Any) -> list[str]:
+    """The threads of this rank's process (rank 0's: the engine process)."""
+    import threading
+
+    return sorted(t.name for t in threading.enumerate())
+
+
 def fail_on_rank_1(worker: Any) -> int:
     """collective_rpc callable that raises on rank 1 only."""
     if worker.rank == 1:
@@ -74,6 +81,7 @@ def llm_generate(model: str, tp: int, backend: str | None, max_tokens: int = 24,
     if extras:
         result["whoami"] = llm.collective_rpc(whoami)
         result["main_pid"] = os.getpid()
+        result["rank0_threads"] = llm.collective_rpc(thread_names)[0]
         try:
             llm.collective_rpc(fail_on_rank_1)
             result["rank1_error"] = None
