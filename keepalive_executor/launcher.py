@@ -300,6 +300,9 @@ class SpawnedRanks:
                         f"(exit code {w.proc.exitcode})")
         return None
 
+    def end_startup(self) -> None:
+        """Nothing: a sentinel fires when a process ends, however long its GIL is held."""
+
     def tell_error(self, message: str) -> None:
         """Nothing to tell: stop() ends the workers."""
 

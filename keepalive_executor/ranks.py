@@ -9,7 +9,8 @@ start                       spawn one process per rank, wait for    post the con
 join the process groups     ``file://`` store in the temp dir       torchrun's store, per attempt
 ready                       each process says READY                 the rendezvous itself
 watch for death             process sentinels (immediate)           store heartbeats (bounded by
-                                                                    the liveness timeout)
+                                                                    the liveness timeout; ten
+                                                                    times it in start-up)
 tell a start-up error       nothing to tell (processes are killed)  post the error on the store
 stop                        SHUTDOWN, then wait/SIGTERM/SIGKILL;    SHUTDOWN; torchrun owns the
                             after a failure: death pipes closed     processes
@@ -51,6 +52,11 @@ class Ranks(Protocol):
         """Death detection, called right after :meth:`start`: ``on_death(reason)`` for the
         first rank lost, from as early as the implementation can tell (spawned ranks: at
         once, so a rank that dies before the rendezvous fails start-up in about a second)."""
+
+    def end_startup(self) -> None:
+        """The engine's start-up is over: every rank answered its warm-up, which on GPUs
+        ends in a full garbage collection holding each rank's GIL (so a heartbeat's silence
+        is judged more leniently before this)."""
 
     def tell_error(self, message: str) -> None:
         """Rank 0 will not start: let the waiting ranks exit with ``message``."""

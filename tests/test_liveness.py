@@ -42,6 +42,7 @@ TOLERATED_FAILED_BEATS = round(TOLERATED_STALL_S / BEAT)
 @given(st.lists(st.tuples(st.sampled_from([1, 2]), st.floats(0.0, 3.0)), max_size=40))
 def test_a_rank_is_lost_exactly_when_its_counter_has_not_moved_for_the_timeout(beats):
     core = LivenessCore([1, 2], TIMEOUT, now=0.0)
+    core.end_startup(0.0)  # serving (the start-up's longer limit: further down)
     now, counters, moved = 0.0, {1: 0, 2: 0}, {1: 0.0, 2: 0.0}
     for rank in (1, 2):  # the first reading is the baseline
         core.observe(rank, 0, now)
@@ -66,6 +67,7 @@ def test_the_store_is_lost_exactly_when_no_read_answered_for_the_timeout(steps):
     """Failed reads are not a loss by themselves: only silence past the timeout is, and a
     rank whose counter moved after a run of failed reads is not lost."""
     core = LivenessCore([1], TIMEOUT, now=0.0)
+    core.end_startup(0.0)
     now, counter, answered, moved = 0.0, 0, 0.0, 0.0
     core.observe(1, counter, now)
     for dt, outcome in steps:
@@ -92,6 +94,7 @@ def test_the_monitors_own_stalls_count_as_one_period_and_nothing_else_changes(st
     full, a longer one (the monitor could not run) counts as one period. In that time the
     verdicts are exactly those of the rule above. Gaps here reach 2 s, past the timeout."""
     core = LivenessCore([1], TIMEOUT, now=0.0)
+    core.end_startup(0.0)
     clock = monitored = answered = moved = 0.0
     counter = 0
     core.observe(1, counter, clock)
@@ -121,6 +124,7 @@ def test_a_stall_of_the_monitor_is_excused_whichever_thread_runs_first_after_it(
     time after its last move."""
     for reader_first in (False, True):
         core = LivenessCore([1], TIMEOUT, now=0.0)
+        core.end_startup(0.0)
         for i in range(1, 5):  # beats and decisions every period until t = 1.0
             core.tick(i * BEAT)
             core.observe(1, i, i * BEAT)
@@ -144,6 +148,7 @@ def test_a_stall_of_the_monitor_is_excused_whichever_thread_runs_first_after_it(
 @pytest.mark.fast
 def test_a_blocked_store_is_silent_without_any_call_returning_and_no_rank_is_lost():
     core = LivenessCore([1, 2], TIMEOUT, now=10.0)
+    core.end_startup(10.0)
     core.observe(1, 0, 10.0)
     core.observe(2, 0, 10.0)
     assert core.store_silent(10.0 + TIMEOUT) is None  # exactly the timeout: not yet
@@ -154,6 +159,107 @@ def test_a_blocked_store_is_silent_without_any_call_returning_and_no_rank_is_los
     assert core.store_silent(12.0) is not None  # rank 2's reads have not answered
     core.observe(2, 1, 12.0)
     assert core.store_silent(12.0 + TIMEOUT) is None
+
+
+
+# ---------------------------------------------------------------- the engine's start-up
+# A follower's heartbeat is a Python thread: a C call of its process that holds the GIL (vLLM's
+# GPU worker ends its warm-up with a full garbage collection, freeze_gc_heap) stops it. Such a
+# stall and a frozen rank look the same to the driver, so until the engine's start-up ends
+# (every rank answered its warm-up) a rank may be still for STARTUP_TIMEOUT, and from then on
+# for the timeout, counted from the end of the start-up at the earliest (torchrun.md).
+STARTUP_TIMEOUT = 10 * TIMEOUT
+
+
+@pytest.mark.fast
+def test_a_followers_gil_stall_in_start_up_is_no_loss_and_a_frozen_rank_still_is():
+    """Rank 1 beats until t = 1.0, then its process holds the GIL for 2 s while the driver
+    reads on: no verdict (the rule without a start-up window: lost after 1.5 s). A rank that
+    never beats again is lost once still for more than the start-up timeout."""
+    core = LivenessCore([1], TIMEOUT, now=0.0)
+    for i in range(1, 5):
+        core.tick(i * BEAT)
+        core.observe(1, i, i * BEAT)
+    t = 1.0
+    while t < 3.0:
+        t += BEAT
+        core.tick(t)
+        core.observe(1, 4, t)
+    assert core.lost(t) == []
+    while t < 1.0 + STARTUP_TIMEOUT + 2 * BEAT:
+        t += BEAT
+        core.tick(t)
+        core.observe(1, 4, t)
+        assert bool(core.lost(t)) == (t - 1.0 > STARTUP_TIMEOUT), t
+    assert core.lost(t) == [(1, pytest.approx(t - 1.0))]
+
+
+@pytest.mark.fast
+def test_after_start_up_a_rank_is_lost_after_the_timeout_counted_from_its_end():
+    """Rank 2's warm-up held its GIL from t = 0; start-up ends at t = 2.0 (its answer came)
+    before its late beat was read. No verdict at the switch, the stall is reported; if rank 2
+    never beats again (frozen right after its answer), it is lost one timeout after the end
+    of the start-up, and rank 1, beating, never is."""
+    core = LivenessCore([1, 2], TIMEOUT, now=0.0)
+    t, beats = 0.0, 0
+    for rank in (1, 2):
+        core.observe(rank, 0, t)
+    while t < 2.0:
+        t += BEAT
+        beats += 1
+        core.tick(t)
+        core.observe(1, beats, t)
+        core.observe(2, 0, t)
+    assert core.end_startup(t) == {2: pytest.approx(2.0)}
+    assert core.lost(t) == []
+    assert core.end_startup(t) == {}  # once
+    end = t
+    while t < end + TIMEOUT + 2 * BEAT:
+        t += BEAT
+        beats += 1
+        core.tick(t)
+        core.observe(1, beats, t)
+        core.observe(2, 0, t)
+        assert [r for r, _ in core.lost(t)] == ([2] if t - end > TIMEOUT else []), t
+
+
+# One step of the driver's reader, or the end of the engine's start-up.
+_phase_step = st.tuples(st.floats(0.0, 4.0),
+                        st.sampled_from(["raise", "same", "moved", "end-start-up"]))
+
+
+@pytest.mark.fast
+@given(st.lists(_phase_step, max_size=60))
+def test_a_rank_is_lost_exactly_when_still_past_the_limit_of_its_phase(steps):
+    """Before the end of the start-up: still for more than the start-up timeout; after it:
+    for more than the timeout, counted from the end at the earliest. The end reports the
+    longest stillness past the timeout seen in the start-up, once."""
+    core = LivenessCore([1], TIMEOUT, now=0.0)
+    now = answered = moved = longest = 0.0
+    counter, ended = 0, None
+    core.observe(1, counter, now)
+    for dt, what in steps:
+        now += dt
+        if what == "end-start-up":
+            reported = core.end_startup(now)
+            if ended is None:
+                ended = now
+                assert reported == ({1: pytest.approx(longest)} if longest > TIMEOUT else {})
+            else:
+                assert reported == {}
+        elif what != "raise":
+            if what == "moved":
+                counter += 1
+                moved = now
+            core.observe(1, counter, now)
+            answered = now
+            if ended is None:
+                longest = max(longest, answered - moved)
+        if ended is None:
+            expected = answered - moved > STARTUP_TIMEOUT
+        else:
+            expected = answered - max(moved, ended) > TIMEOUT
+        assert bool(core.lost(now)) == expected
 
 
 # ---------------------------------------------------------------- the default timeout
@@ -236,7 +342,8 @@ class FlakyStore:
 
 
 class Watch:
-    """Run a Heartbeat for rank 1 and a LivenessMonitor over it; record what is reported."""
+    """Run a Heartbeat for rank 1 and a LivenessMonitor over it, past the engine's start-up;
+    record what is reported."""
 
     def __init__(self, beat_store, monitor_store) -> None:
         self.lost: list[tuple[str, float]] = []
@@ -251,6 +358,7 @@ class Watch:
     def __enter__(self) -> Watch:
         self.beat.start()
         self.monitor.start()
+        self.monitor.end_startup()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -425,3 +533,92 @@ def test_the_monitors_process_holding_the_gil_past_the_timeout_is_no_loss(tcp_st
         assert "torchrun's store has not answered" in w.lost[0][0], w.lost
     else:
         assert not got, w.lost
+
+
+# A follower's process holds its GIL for 3 s (twice the timeout), in a real process of its
+# own: what vLLM's GPU worker does at the end of its warm-up (freeze_gc_heap), which stops the
+# follower's heartbeat thread while the driver reads on. In start-up it is no loss; the
+# control is the same stall after the end of the start-up, where it is a frozen rank's
+# silence: the loss is reported (the rank is healthy, which is why a stall must be tolerated
+# only where one is expected).
+FOLLOWER_STALL_S = 3.0
+
+_FOLLOWER = r"""
+import ctypes, datetime, sys, time
+from torch.distributed import TCPStore
+from keepalive_executor.torchrun.liveness import Heartbeat
+
+port, timeout_s, stall_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+key = lambda name: f"keepalive_executor/test/0/{name}"
+
+def client():
+    return TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+
+beats = []
+
+class Timed:
+    def __init__(self, inner):
+        self.inner = inner
+
+    def add(self, k, v):
+        beats.append(time.monotonic())
+        return self.inner.add(k, v)
+
+Heartbeat(Timed(client()), key, rank=1, timeout_s=timeout_s).start()
+store = client()
+store.wait([key("stall")])  # TCPStore calls release the GIL: the heartbeat runs meanwhile
+usleep = ctypes.PyDLL(None).usleep  # a PyDLL call keeps the GIL for its whole length
+held_from = time.monotonic()
+usleep(int(stall_s * 1e6))
+held_to = time.monotonic()
+store.set(key("stalled"), "1")
+store.wait([key("done")])
+gap = max(b - a for a, b in zip(beats, beats[1:]) if b > held_from)
+print(f"held {held_to - held_from:.3f} longest-beat-gap {gap:.3f}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("after_startup", [False, True],
+                         ids=["stall-in-start-up-survives", "negative-control-after-start-up"])
+def test_a_followers_process_holding_its_gil_past_the_timeout_in_start_up_is_no_loss(
+        tcp_store, after_startup):
+    import datetime
+    import subprocess
+    import sys
+
+    _, port, client = tcp_store
+    follower = subprocess.Popen(
+        [sys.executable, "-c", _FOLLOWER, str(port), str(TIMEOUT), str(FOLLOWER_STALL_S)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    store = client()
+    lost: list[str] = []
+    got = threading.Event()
+
+    def on_lost(reason: str) -> None:
+        lost.append(reason)
+        got.set()
+
+    monitor = LivenessMonitor(client(), key, [1], TIMEOUT, on_lost)
+    try:
+        store.wait([key("alive/1")], datetime.timedelta(seconds=120))  # it beats
+        monitor.start()
+        time.sleep(1.0)
+        if after_startup:
+            monitor.end_startup()
+        store.set(key("stall"), "1")
+        store.wait([key("stalled")], datetime.timedelta(seconds=60))
+        if not after_startup:
+            monitor.end_startup()  # what the executor does once the warm-up's answers came
+        got.wait(3 * TIMEOUT)
+        store.set(key("done"), "1")
+        out, err = follower.communicate(timeout=60)
+    finally:
+        monitor.stop()
+        follower.kill()
+    # the scenario really happened: the follower's heartbeat did not run during the stall
+    held, gap = (float(x) for x in out.split()[1::2])
+    assert held >= FOLLOWER_STALL_S and gap >= FOLLOWER_STALL_S, (out, err)
+    if after_startup:
+        assert lost and "rank 1 sent no heartbeat" in lost[0], lost
+    else:
+        assert not lost, lost

@@ -40,6 +40,25 @@ verdict needs the timeout's worth of time in which the monitor was running. A st
 that blocks does not stall the monitor (TCPStore's calls release the GIL: another thread
 ticked every 50 ms while ``add`` on a SIGSTOPped server blocked), so a store that stops
 answering is still noticed on time.
+
+**A follower's own stalls: a start-up window.** The heartbeat is a Python thread too, so a C
+call holding a follower's GIL stops its beats; vLLM's GPU worker ends its warm-up
+(``compile_or_warm_up_model``) with ``freeze_gc_heap``, a full collection, on every rank, and
+the same call stalled rank 0's process for up to 1.98 s (above). While it lasts, that stall
+and a frozen rank look the same to the driver: a still counter. A late beat could say how
+late it was, but only after the stall ends, and the driver must decide before that. So the
+monitor has two phases, named by ``LivenessCore.starting``::
+
+    starting --(end_startup: every rank answered its warm-up)--> running
+    a rank is lost when still for             a rank is lost when still for `timeout`,
+    STARTUP_TIMEOUT_FACTOR x timeout          counted from the end of start-up at the earliest
+
+The executor ends the start-up once every rank answered its warm-up, so every follower's
+``freeze_gc_heap`` is over by then. A frozen rank is noticed within the start-up timeout
+during start-up (where its silence also holds up the start-up's collective calls), and within
+the timeout afterwards. The store's silence is judged by the timeout in both phases (the
+follower's stalls do not touch it). End of start-up logs any rank that was still for more
+than the timeout meanwhile: the same stall later would be a loss.
 """
 
 from __future__ import annotations
@@ -51,12 +70,16 @@ from typing import Any
 
 from keepalive_executor.log import get_logger
 
-__all__ = ["LivenessCore", "Heartbeat", "LivenessMonitor", "BEATS_PER_TIMEOUT", "STALL_PERIODS"]
+__all__ = ["LivenessCore", "Heartbeat", "LivenessMonitor", "BEATS_PER_TIMEOUT", "STALL_PERIODS",
+           "STARTUP_TIMEOUT_FACTOR"]
 
 logger = get_logger(__name__)
 BEATS_PER_TIMEOUT = 6
 #: A gap between two decisions longer than this many periods is the monitor's own stall.
 STALL_PERIODS = 2
+#: During the engine's start-up a rank may be still for this many timeouts (15 s on one node):
+#: its start-up holds its GIL in long C calls (1.85-1.98 s seen for the full collection).
+STARTUP_TIMEOUT_FACTOR = 10
 #: At most one warning per this many seconds for repeated store errors (a flaky link would
 #: otherwise log six lines per timeout, forever).
 ERROR_LOG_INTERVAL_S = 10.0
@@ -70,7 +93,8 @@ class LivenessCore:
     is lost on evidence only: a read that *answered* showed its counter still for more than
     the timeout. While reads fail or block, a rank's counter is unknown, not still: that is
     the store's silence, reported as such once no read of some rank has answered for the
-    timeout (a store that answers again within it costs nothing).
+    timeout (a store that answers again within it costs nothing). Until
+    :meth:`end_startup`, a rank's stillness is judged by ``startup_timeout_s`` instead.
     """
 
     def __init__(self, ranks: Iterable[int], timeout_s: float, now: float) -> None:
@@ -79,10 +103,16 @@ class LivenessCore:
         self.timeout_s = timeout_s
         #: how often the monitor decides; a gap over STALL_PERIODS of these is a stall
         self.period_s = timeout_s / BEATS_PER_TIMEOUT
+        #: how long a rank may be still while ``starting``
+        self.startup_timeout_s = STARTUP_TIMEOUT_FACTOR * timeout_s
+        #: the engine's start-up is not over (see :meth:`end_startup`)
+        self.starting = True
         self._last_tick = now
         # rank -> (last value read, when it was first read, when it was last read)
         self._seen: dict[int, tuple[int | None, float, float]] = {
             r: (None, now, now) for r in ranks}
+        # rank -> the longest stillness seen while starting
+        self._longest_still = dict.fromkeys(self._seen, 0.0)
 
     def tick(self, now: float) -> float:
         """A decision is about to be made at ``now``; returns the seconds excused.
@@ -105,14 +135,30 @@ class LivenessCore:
     def observe(self, rank: int, value: int, now: float) -> None:
         """A read of rank ``rank``'s counter answered ``value`` at ``now``."""
         last, since, read = self._seen[rank]
-        self._seen[rank] = (value, now if value != last else since, max(read, now))
+        since, read = (now if value != last else since), max(read, now)
+        self._seen[rank] = (value, since, read)
+        if self.starting:
+            self._longest_still[rank] = max(self._longest_still[rank], read - since)
+
+    def end_startup(self, now: float) -> dict[int, float]:
+        """The engine's start-up ended at ``now``: from then on a rank is lost when still for
+        ``timeout_s``, counted from ``now`` at the earliest (a follower whose late beat is not
+        read yet is not lost at once). Returns, the first time only, each rank that was
+        still for more than ``timeout_s`` during the start-up, with the longest stillness."""
+        if not self.starting:
+            return {}
+        self.starting = False
+        self._seen = {r: (value, now, read) for r, (value, _, read) in self._seen.items()}
+        return {r: s for r, s in self._longest_still.items() if s > self.timeout_s}
 
     def lost(self, now: float) -> list[tuple[int, float]]:
         """``(rank, seconds its counter was seen still)`` for each rank whose last answered
-        read found it unmoved for more than the timeout."""
+        read found it unmoved for more than the timeout (the start-up timeout while
+        ``starting``)."""
+        limit = self.startup_timeout_s if self.starting else self.timeout_s
         return sorted(
             (r, read - since) for r, (_, since, read) in self._seen.items()
-            if read - since > self.timeout_s
+            if read - since > limit
         )
 
     def store_silent(self, now: float) -> float | None:
@@ -202,6 +248,7 @@ class LivenessMonitor(_Periodic):
     which it retries, or block), and ``keepalive-liveness`` decides from what was read and
     the clock. ``on_lost(reason)`` is called once, for the first rank lost or for a store
     that has not answered for the timeout; both threads then end. stop() ends them too.
+    It starts in the engine's start-up phase; its owner calls :meth:`end_startup`.
     """
 
     def __init__(self, store: Any, key_of: Callable[[str], str], ranks: Iterable[int],
@@ -224,6 +271,20 @@ class LivenessMonitor(_Periodic):
         """Start the reader and the decision thread (once)."""
         self._reader.start()
         super().start()
+
+    def end_startup(self) -> None:
+        """The engine's start-up is over (every rank answered its warm-up): from now on a
+        rank still for the timeout is lost. Logs each rank that was still for longer during
+        the start-up (a stall of its own process, excused there, a loss from now on)."""
+        with self._lock:
+            stalls = self._core.end_startup(self._clock())
+        for rank, still in sorted(stalls.items()):
+            logger.warning(
+                "keepalive liveness: rank %d sent no heartbeat for %.2fs during the engine's "
+                "start-up (a C call holding its GIL, e.g. vLLM's full garbage collection after "
+                "the warm-up); allowed there, but from now on a rank still for %s=%gs is "
+                "lost: raise it if that rank can stall so long while serving",
+                rank, still, ENV_LIVENESS, self._core.timeout_s)
 
     def _read_loop(self) -> None:
         while not self._stop.is_set():
@@ -251,6 +312,7 @@ class LivenessMonitor(_Periodic):
             excused = self._core.tick(now)
             silent = self._core.store_silent(now)
             lost = self._core.lost(now)
+            starting = self._core.starting
             if silent is not None or lost:
                 self._stop.set()  # both threads end; on_lost runs once, below
         if excused >= self._core.timeout_s / 2:
@@ -269,8 +331,10 @@ class LivenessMonitor(_Periodic):
             return False
         if lost:
             rank, since = lost[0]
+            limit = (f"the engine's start-up allows {STARTUP_TIMEOUT_FACTOR} x "
+                     if starting else "")
             self._on_lost(
-                f"rank {rank} sent no heartbeat for {since:.2f}s (torchrun mode, "
+                f"rank {rank} sent no heartbeat for {since:.2f}s (torchrun mode, {limit}"
                 f"{ENV_LIVENESS}={self._core.timeout_s:g}s): its process or node is lost"
             )
             return False

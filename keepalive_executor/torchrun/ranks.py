@@ -97,6 +97,12 @@ class TorchrunRanks:
         torchrun's agent ends."""
         self._on_death = on_death
 
+    def end_startup(self) -> None:
+        """The heartbeat monitor's start-up window ends: a rank still for the liveness
+        timeout is lost from now on (see :mod:`keepalive_executor.torchrun.liveness`)."""
+        if self._monitor is not None:
+            self._monitor.end_startup()
+
     def _start_monitor(self, on_death: Callable[[str], None]) -> None:
         if self.env.world_size < 2:
             return
