@@ -144,6 +144,7 @@ def _warm_up_executor(pp: int = 1):
     """An executor object with only what compile_or_warm_up_model touches."""
     ex = object.__new__(KeepaliveExecutor)
     ex._pp = pp > 1
+    ex._ranks = None  # no ranks to tell that start-up is over
     ex.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(
         compilation_time=0.0, encoder_compilation_time=0.0))
     ex.calls = []
