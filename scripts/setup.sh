@@ -25,18 +25,9 @@ pinned=("${pip[@]}" install -c "$constraints")
 # constraint files and http(s) indexes, from its config files and PIP_* variables alike
 # (`pip config list` reports both). Without uv, or if it fails, or if it did not bring
 # torch's CPU build, pip does the work as before. KEEPALIVE_NO_UV=1 skips uv.
-uv_args=()
-while IFS= read -r line; do
-  key="${line%%=*}"; value="${line#*=}"; value="${value#\'}"; value="${value%\'}"
-  for v in $value; do
-    case "$key" in
-      *.find-links) uv_args+=(--find-links "$v") ;;
-      *.constraint) [ -f "$v" ] && uv_args+=(-c "$v") ;;
-      *.index-url) case "$v" in http*) uv_args+=(--index-url "$v") ;; esac ;;
-      *.extra-index-url) case "$v" in http*) uv_args+=(--extra-index-url "$v") ;; esac ;;
-    esac
-  done
-done < <("$venv/bin/python" -m pip config list 2>/dev/null || true)  # not -q: it prints nothing
+# shellcheck source=scripts/uv_args.sh
+. "$repo/scripts/uv_args.sh"
+uv_args_from_pip "$venv/bin/python"
 have_uv() {
   [ -z "${KEEPALIVE_NO_UV:-}" ] || return 1
   [ -x "$venv/bin/uv" ] || "${pinned[@]}" uv >/dev/null 2>&1 || return 1

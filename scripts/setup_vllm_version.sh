@@ -63,18 +63,9 @@ if [ -z "${KEEPALIVE_NO_UV:-}" ]; then
     uv="$uv_home/bin/uv"
   fi
 fi
-uv_args=()
-while IFS= read -r line; do
-  key="${line%%=*}"; value="${line#*=}"; value="${value#\'}"; value="${value%\'}"
-  for v in $value; do
-    case "$key" in
-      *.find-links) uv_args+=(--find-links "$v") ;;
-      *.constraint) [ -f "$v" ] && uv_args+=(-c "$v") ;;
-      *.index-url) case "$v" in http*) uv_args+=(--index-url "$v") ;; esac ;;
-      *.extra-index-url) case "$v" in http*) uv_args+=(--extra-index-url "$v") ;; esac ;;
-    esac
-  done
-done < <("$py" -m pip config list 2>/dev/null || true)
+# shellcheck source=scripts/uv_args.sh
+. "$repo/scripts/uv_args.sh"
+uv_args_from_pip "$py"
 if [ ! -x "$venv/bin/python" ]; then
   echo "setup-vllm: creating $venv"
   if [ -z "$uv" ] || ! "$uv" venv -q --python "$("$py" -c 'import sys; print(sys.executable)')" "$venv"; then
