@@ -17,7 +17,8 @@ from typing import Any
 import psutil
 from procs import keep_niceness, name_of, tagged_processes
 
-__all__ = ["BASE_ENV", "env", "free_port", "Server", "TorchrunServer", "by_title"]
+__all__ = ["BASE_ENV", "env", "free_port", "Server", "TorchrunServer", "by_title",
+           "assert_control_failed"]
 
 BASE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -158,6 +159,23 @@ def by_title(server: Server, title: str) -> list[psutil.Process]:
     """The processes of ``server``'s tree whose title contains ``title`` (a process that exits
     while the tree is read is left out; one did, once, with 8 streams in flight)."""
     return [p for p in server.tree() if title in name_of(p)]
+
+
+def assert_control_failed(control: Server, request: Any) -> None:
+    """The negative control (a server without keepalives, after an idle) is down, or fails
+    ``request()``, because an idle rank's wait on its channel timed out: its log says so, in
+    one line (not, say, a start-up rendezvous that timed out on a loaded machine, nor any
+    other "Timed out")."""
+    failed = control.proc.poll() is not None or control.health() != 200
+    if not failed:
+        try:
+            request()
+        except Exception:  # noqa: BLE001 - any failure of the request is the outcome
+            failed = True
+    log = control.log()
+    assert failed, "the control still answers after the idle without keepalives"
+    assert any("waiting for the broadcast from rank" in line and "Timed out" in line
+               for line in log.splitlines()), log[-3000:]
 
 
 

@@ -19,7 +19,7 @@ import pytest
 from procs import left_after
 from run_engine import HERE
 from serve_scripts import LOAD_ARGS, ask, run_wave, texts, workload
-from servers import Server, by_title
+from servers import Server, assert_control_failed, by_title
 from test_faults import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -105,16 +105,9 @@ def test_answers_like_mp_survive_idle_and_a_stalled_loop_negative_control_dies(s
     assert time.monotonic() - t0 >= float(STALL_S)
     assert texts(answers["after"]) == texts(before)
     assert server.health() == 200
-    failed = None
-    try:
-        ask(control.client())
-    except Exception as e:  # noqa: BLE001 - the expected outcome, checked below
-        failed = e
-    # the control failed for the reason under test: rank 1's idle wait timed out (gloo's own
-    # message), rank 1 exited, and the request got an error
-    assert failed is not None, "the control answered after the idle without the pacer"
-    log = control.log()
-    assert "Timed out" in log and "worker rank 1" in log, log[-3000:]
+    # the control failed for the reason under test: rank 1's idle wait on the channel timed
+    # out (gloo's own message, on the line naming the wait), and the request got an error
+    assert_control_failed(control, lambda: ask(control.client()))
 
 
 def metric(base_url: str, name: str) -> float:
