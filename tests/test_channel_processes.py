@@ -26,7 +26,6 @@ def idle_runs(ranks) -> dict:
         return {c: f.result() for c, f in futures.items()}
 
 
-@pytest.mark.fast  # in `scripts/test.sh --fast`: the four idle runs (one fixture)
 @pytest.mark.parametrize("wait", WAITS)
 def test_receivers_survive_idle_of_5x_timeout_with_pacer(idle_runs, wait):
     """``poll`` is the sleeping wait receivers use on a GPU; it is transport-agnostic, so
@@ -41,7 +40,6 @@ def test_receivers_survive_idle_of_5x_timeout_with_pacer(idle_runs, wait):
         assert res[r]["keepalives"] == res[0]["keepalives_sent"] >= IDLE_S / TIMEOUT_S
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("wait", WAITS)
 def test_negative_control_without_pacer_receivers_time_out(idle_runs, wait):
     res = idle_runs[wait, False]
