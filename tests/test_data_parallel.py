@@ -27,7 +27,7 @@ from dp_scripts import (
     wave_requests,
 )
 from procs import left_after
-from servers import Server, env
+from servers import Server, assert_control_failed, env
 
 #: the collective timeout of the idle tests, and the idle period: two timeouts (a rank whose
 #: last broadcast came before it would have timed out a full timeout ago)
@@ -71,21 +71,6 @@ def keep_busy(server: Server, replica: int, stop: threading.Event, done: list) -
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
-
-
-def assert_control_failed(control: Server, request: list[dict]) -> None:
-    """The negative control without keepalives is down, or fails REQUEST (sent to replica
-    1), because an idle rank's wait on its channel timed out (not, say, a start-up
-    rendezvous that timed out on a loaded machine)."""
-    failed = control.proc.poll() is not None or control.health() != 200
-    if not failed:
-        try:
-            pinned(control, 1, request)
-        except Exception:  # noqa: BLE001 - any failure of the request is the outcome
-            failed = True
-    log = control.log()
-    assert failed and any("waiting for the broadcast from rank" in line and "Timed out" in line
-                          for line in log.splitlines()), log[-3000:]
 
 
 @pytest.mark.slow
@@ -228,7 +213,7 @@ def test_moe_dp2_tp2_answers_like_mp_through_a_dp_wave_and_idle_periods(
             time.sleep(2 * TIMEOUT)  # idle: its ranks' waits time out
         except AssertionError:
             pass  # without keepalives an idle rank may time out before the API server is up
-        assert_control_failed(control, first[:1])
+        assert_control_failed(control, lambda: pinned(control, 1, first[:1]))
     finally:
         control.stop()
     assert left_after(tree, 10) == []
