@@ -118,6 +118,26 @@ def metric(base_url: str, name: str) -> float:
     return sum(values)
 
 
+#: what the wave delivered (engine outputs the front end processed, requests it finished)
+DELIVERY_METRICS = ("vllm:generation_tokens_total", "vllm:request_success_total")
+
+
+def assert_disconnects_were_aborts(server: Server, reqs: list[dict], before: dict) -> None:
+    """The clients that went away were aborted in the engine: every request runs with
+    ignore_eos, so a completed one generated exactly its max_tokens, and a disconnected one
+    that was not aborted would have too (and would count as a success). What the
+    disconnected ones got instead is a few tokens each, before their abort landed."""
+    after = {name: metric(server.base_url, name) for name in DELIVERY_METRICS}
+    generated, succeeded = (after[n] - before[n] for n in DELIVERY_METRICS)
+    left = [r for r in reqs if r["abort"]]
+    full = sum(r["max_tokens"] for r in reqs if not r["abort"])
+    if_not_aborted = sum(r["max_tokens"] for r in left)
+    # a disconnected request is cut after two chunks: a few tokens, or all of its few if
+    # it finished first; not aborted, all 868 tokens of the 25 would have been generated
+    assert generated - full < if_not_aborted / 2, (generated, full, if_not_aborted)
+    assert len(reqs) - len(left) <= succeeded < len(reqs), succeeded
+
+
 def test_load_with_disconnects_frees_everything_and_matches_mp(servers, reference):
     """256 streaming requests at concurrency 32, prompts of 2 to 60 words, 4 to 64 output
     tokens, every tenth client closing its stream after two chunks: the server stays
@@ -126,8 +146,10 @@ def test_load_with_disconnects_frees_everything_and_matches_mp(servers, referenc
     (serve_scripts.load_answers, float32 on both sides)."""
     server = servers["keepalive"]
     reqs = workload()
+    before = {name: metric(server.base_url, name) for name in DELIVERY_METRICS}
     done = asyncio.run(run_wave(server.base_url, reqs))
     assert server.health() == 200
+    assert_disconnects_were_aborts(server, reqs, before)
     assert metric(server.base_url, "vllm:num_requests_running") == 0
     assert metric(server.base_url, "vllm:num_requests_waiting") == 0
     assert metric(server.base_url, "vllm:kv_cache_usage_perc") == 0
