@@ -41,6 +41,10 @@ __all__ = [
 ]
 
 logger = get_logger(__name__)
+#: Test-only: rank 0 joins the rendezvous without waiting for ALIVE (what the executor did
+#: before the handshake), so a test can show that a worker slower to start than the collective
+#: timeout then fails start-up. Not an option; it logs a warning whenever it is honoured.
+_TEST_NO_ALIVE_WAIT_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_ALIVE_WAIT"
 #: After SHUTDOWN (or after a failure, with the death pipes closed), how long workers get to
 #: exit before SIGTERM, then SIGKILL (vLLM's VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS default).
 SHUTDOWN_GRACE_S = 5.0
@@ -252,6 +256,7 @@ class SpawnedRanks:
         self.shared_worker_lock = get_mp_context().Lock()
         self.workers: list[WorkerHandle] = []
         self._timeout_s = 0.0
+        self._alive_unread = False  # test-only: ALIVE still in the pipes at wait_ready
         self._world_size = vllm_config.parallel_config.world_size
         self._monitor: WorkerMonitor | None = None
 
@@ -268,6 +273,10 @@ class SpawnedRanks:
         for rank in range(1, self._world_size):
             self.workers.append(spawn_worker(vllm_config, rank, common,
                                              local_rank=self.local_rank + rank))
+        if os.environ.get(_TEST_NO_ALIVE_WAIT_ENV) == "1":
+            logger.warning("TEST ONLY: rank 0 joins the rendezvous without waiting for ALIVE")
+            self._alive_unread = True
+            return
         wait_for_ready(self.workers, self._timeout_s, status="ALIVE")
 
     def before_init_device(self) -> None:
@@ -275,6 +284,8 @@ class SpawnedRanks:
 
     def wait_ready(self) -> None:
         """Every worker said READY (joined the groups, built its channel)."""
+        if self._alive_unread:
+            wait_for_ready(self.workers, self._timeout_s, status="ALIVE")
         wait_for_ready(self.workers, self._timeout_s)
 
     def watch(self, on_death: Callable[[str], None]) -> None:

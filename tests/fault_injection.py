@@ -20,7 +20,6 @@ Start-up delays of rank 1 (environment, inherited by its process), for
 
 * ``KEEPALIVE_SLOW_CONSTRUCT_S``  sleep while the worker is being constructed, as a cold
   interpreter importing vLLM on a loaded machine does (before the worker says ALIVE)
-* ``KEEPALIVE_SLOW_RENDEZVOUS_S`` sleep just before it joins the process groups (after ALIVE)
 * ``KEEPALIVE_DIE_BEFORE_RENDEZVOUS`` exit with this code just before it joins them (after
   ALIVE: a GPU ``init_device`` failure, say), first writing the time of death
   (``time.time()``) to the file ``KEEPALIVE_DEATH_STAMP``
@@ -58,7 +57,7 @@ def _take(name: str) -> str | None:
 
 
 class SlowStartCPUWorker(CPUWorker):
-    """A CPUWorker whose rank 1 is slow to start, in one of two places."""
+    """A CPUWorker whose rank 1 is slow to start, or dies before the rendezvous."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -67,7 +66,6 @@ class SlowStartCPUWorker(CPUWorker):
 
     def init_device(self) -> None:
         if self.rank == 1:
-            time.sleep(float(os.environ.get("KEEPALIVE_SLOW_RENDEZVOUS_S", "0")))
             code = os.environ.get("KEEPALIVE_DIE_BEFORE_RENDEZVOUS")
             if code is not None:
                 with open(os.environ["KEEPALIVE_DEATH_STAMP"], "w") as f:

@@ -24,13 +24,13 @@ def test_stall_inside_a_step_short_survives_long_fails_clearly(tiny_model):
     assert 6.0 <= res["long_elapsed_s"] < 8.5, res
 
 
-def test_negative_control_the_same_delay_inside_the_rendezvous_fails(tiny_model):
-    """The same 6 s as rank 1's slow start in the rank-killed test below, spent after ALIVE
-    (inside what the rendezvous waits for): the 3 s collective timeout runs out, so waiting
-    for ALIVE before the rendezvous is what makes the difference."""
+def test_negative_control_without_the_alive_wait_the_same_slow_start_fails(tiny_model):
+    """Rank 1 takes the same 6 s to construct as in the rank-killed test below, but rank 0
+    joins the rendezvous at once instead of after ALIVE (the test-only switch, launcher.py):
+    the 3 s collective timeout runs out, so the ALIVE wait is what makes the difference."""
     res = run_script("slow_start", model=tiny_model, timeout_s=3, extra_env={
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
-        "KEEPALIVE_SLOW_RENDEZVOUS_S": "6"})
+        "KEEPALIVE_SLOW_CONSTRUCT_S": "6", "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_ALIVE_WAIT": "1"})
     assert not res["started"], res
     assert "Wait timeout" in res["error"]  # gloo's rendezvous gave up, as in the CI failure
 
@@ -81,7 +81,7 @@ def test_a_slow_starting_worker_starts_then_killed_mid_step_fails_the_call_and_t
         tiny_model, tmp_path):
     """Rank 1 takes 6 s to come up, the collective timeout is 3 s: the driver joins the
     rendezvous only once rank 1 said ALIVE, so the 3 s never run out before it arrives (the
-    control: the same delay inside the rendezvous fails, above). Then, with the engine in the
+    control: the same start without the ALIVE wait fails, above). Then, with the engine in the
     user's process, which the executor must not end: rank 1 dies inside a step, so rank 0's
     collective can never finish; after the grace the pending call fails instead, and every
     later call fails at once."""
