@@ -20,6 +20,9 @@ The pieces, and who owns which thread::
       |                           broadcast, rank 0's part, reply gather
       |- DeferredOutputs -------- async scheduling: rank 0's outputs, resolved when the
       |  (deferred.py)            engine asks, in order, on rank 0's thread
+      |- StepCaller (polled.py) - vLLM 0.34's engine polls model steps: thread
+      |                           keepalive-engine-step makes them, the engine gets a future
+      |- compat.py -------------- what differs between vLLM 0.32, 0.33 and 0.34
       `- Lifecycle + StepWatch -- running/failed/stopped; thread keepalive-step-watch:
          (lifecycle.py)           step timeouts and giving up a step a failure made endless
 
