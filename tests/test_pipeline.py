@@ -5,11 +5,6 @@ tests/test_torchrun.py.)"""
 
 from __future__ import annotations
 
-import ast
-import re
-import signal
-import subprocess
-import threading
 import time
 
 import pytest
@@ -91,73 +86,10 @@ def test_pp_serve_answers_like_mp_survives_idle_and_fails_fast_when_the_last_sta
 
 #: issue 14, item 12: the bound on the executor's shutdown with batches in flight
 SHUTDOWN_BOUND_S = 5.0
-#: SIGTERM to the exit of `vllm serve -pp 2`: the executor's shutdown takes about 1 s of it,
-#: vLLM's engine-core teardown after it 2-4 s on this machine (measured 4.87 s and 5.90 s),
-#: so the 5 s bound is the executor's; a rank left in its send would take 14 s and exit -9
-SERVE_EXIT_BOUND_S = 10.0
-# vLLM's drain mode: the engine finishes its requests, then shuts the executor down (its
-# default, 0, SIGKILLs the engine tree at once: no executor shutdown runs at all)
-DRAIN_ARGS = ["--shutdown-timeout", "10"]
-STREAM_TOKENS = 128  # the 8 streams start some tokens apart: all must still be running
-
-
-def _generate(server: Server, n: int, chunks: dict, ended: dict) -> None:
-    """``n`` streams of ``STREAM_TOKENS`` tokens each, counting their chunks."""
-    def run(i: int) -> None:
-        try:
-            for _ in server.client().completions.create(
-                    model="tiny", prompt="Hello", max_tokens=STREAM_TOKENS, temperature=0,
-                    stream=True, extra_body={"ignore_eos": True}):
-                chunks[i] = chunks.get(i, 0) + 1
-            ended[i] = "finished"
-        except Exception as e:  # noqa: BLE001 - the server going away ends it
-            ended[i] = type(e).__name__
-
-    for i in range(n):
-        threading.Thread(target=run, args=(i,), daemon=True).start()
-
-
-def _sigterm_while_generating(server: Server) -> tuple[float, dict, str]:
-    """SIGTERM the server while 8 streams generate: (seconds to exit, the worker exit codes
-    the executor logged, the log)."""
-    chunks: dict = {}
-    ended: dict = {}
-    _generate(server, 8, chunks, ended)
-    deadline = time.monotonic() + 60
-    while len(chunks) < 8 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(chunks) == 8 and not ended, (chunks, ended)  # all 8 are mid-generation
-    t0 = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)
-    try:
-        server.proc.wait(60)
-    except subprocess.TimeoutExpired:
-        pass
-    elapsed = time.monotonic() - t0
-    log = server.log()
-    found = re.findall(r"keepalive executor shut down; worker exit codes (\{[^}]*\})", log)
-    assert found, log[-4000:]
-    return elapsed, ast.literal_eval(found[-1]), log
-
-
-def test_pp_serve_sigterm_with_8_streams_generating_exits_cleanly_within_the_bound(
-        tiny_model, tmp_path):
-    """The user-visible bound. vLLM 0.32's drain mode finishes the requests and its batch
-    queue before it shuts the executor down, so here nothing is in flight by then (the old
-    order met this too, 4.63 s, codes {1: 0}); the in-flight case is the test below."""
-    server = _start(tiny_model, tmp_path, "sigterm", DRAIN_ARGS)
-    tree: list = []
-    try:
-        server.wait_ready()
-        tree = server.tree()
-        elapsed, codes, log = _sigterm_while_generating(server)
-        print(f"SIGTERM to exit {elapsed:.2f}s, worker exit codes {codes}")
-        assert codes == {1: 0}, log[-4000:]
-        assert elapsed < SERVE_EXIT_BOUND_S, (elapsed, log[-4000:])
-        assert server.proc.returncode == 0
-    finally:
-        server.stop()
-    assert left_after(tree, 10) == []
+# Not tested through `vllm serve`: its drain mode (--shutdown-timeout N) finishes the
+# requests and its batch queue before it shuts the executor down, so nothing is in flight
+# then (the old order passed such a test too), and its default SIGKILLs the engine tree
+# without any executor shutdown. The in-process scenario below keeps two batches in flight.
 
 
 @pytest.mark.parametrize("no_drain", [False, True], ids=["drain", "old-order-control"])
