@@ -97,6 +97,10 @@ SHUTDOWN_SEND_S = 5.0
 #: After a step timeout, how long the workers get to write their stacks before they are
 #: stopped (faulthandler writes from the signal handler: milliseconds).
 STACK_DUMP_WAIT_S = 0.5
+#: When a step breaks on rank 0, how long to look for a rank that died: a killed peer's
+#: sockets close as it exits, a hair before its process can be reaped, so rank 0's collective
+#: can fail before the death watch sees the death. The reason then still names the death.
+DEATH_LOOKUP_S = 0.05
 STARTUP_TIMEOUT_SOURCE = "VLLM_KEEPALIVE_STARTUP_TIMEOUT_S"
 
 
@@ -253,7 +257,7 @@ class KeepaliveExecutor(Executor):
         )
         self._steps = StepRunner(
             channel=channel, pacer=self._pacer, driver=driver, lifecycle=self._life,
-            gather=gather, fail=self._fail, execute_timeout_s=settings.execute_timeout_s,
+            gather=gather, fail=self._fail_in_step, execute_timeout_s=settings.execute_timeout_s,
             error_window_s=settings.failure_grace_s, merge=self._merge_connector_outputs,
         )
         self._deferred = DeferredOutputs(self._steps.run_local)
@@ -331,6 +335,21 @@ class KeepaliveExecutor(Executor):
             )
         if callback is not None:
             callback()
+
+    def _fail_in_step(self, reason: str) -> None:
+        """A step broke on rank 0 (a collective raised, rank 0 raised after the broadcast):
+        if a rank died, the failure is that death, then the step's error (DEATH_LOOKUP_S)."""
+        dead_worker = getattr(self._ranks, "dead_worker", None)
+        deadline = time.monotonic() + DEATH_LOOKUP_S
+        while dead_worker is not None and not self._life.is_failed:
+            dead = dead_worker()
+            if dead is not None:
+                self._fail(f"{dead} (then: {reason})")
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.005)
+        self._fail(reason)  # nothing if a death (or anything else) came first
 
     def _on_step_timeout(self, step: StepInProgress) -> None:
         # Where each rank is stuck is the first thing anyone will ask: rank 0's stacks now,

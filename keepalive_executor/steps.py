@@ -256,11 +256,13 @@ class StepRunner:
         had already failed for another reason (a rank died, which broke this gather), an
         error that names that reason first."""
         failure = self._life.failure
-        if (not isinstance(broken.error, ExecutorFailedError) or failure is None
-                or failure.reason == broken.reason):
+        if failure is None or failure.reason == broken.reason:
             return broken.error
-        return _failed_error(f"{failure.reason} (then: {broken.reason})",
-                             broken.error.__cause__ or broken.error)
+        why = (failure.reason if broken.reason in failure.reason
+               else f"{failure.reason} (then: {broken.reason})")
+        cause = (broken.error.__cause__ if isinstance(broken.error, ExecutorFailedError)
+                 else None) or broken.error
+        return _failed_error(why, cause)
 
     # ------------------------------------------------------------------ on the driver thread
     def _send(self, step: _Step, data: bytes) -> None:

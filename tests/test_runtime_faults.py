@@ -97,7 +97,12 @@ def test_a_slow_starting_worker_starts_then_killed_mid_step_fails_the_call_and_t
     # lived on: run_script fails if the script dies before printing it)
     assert res["victim_killed"]
     assert res["error"] is not None and "worker rank 1" in res["error"], res
-    assert "died unexpectedly" in res["error"] and "still inside execute_model" in res["error"]
+    assert "died unexpectedly" in res["error"], res["error"]
+    # Rank 0's collective either stays blocked in the dead peer's all-reduce until the give-up,
+    # or fails at once on the reset connection (seen on AMD EPYC machines of this kind): the
+    # death is named first either way, with what rank 0's step did after it.
+    assert ("still inside execute_model" in res["error"]
+            or "(then: execute_model raised on rank 0" in res["error"]), res["error"]
     # README's 1.5 s (observed 0.43-0.64 s: the death noticed at once, the grace is 0.5 s)
     assert res["error_s"] < 1.5, res
     assert "keepalive executor failed" in res["later_error"], res
