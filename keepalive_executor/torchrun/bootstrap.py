@@ -229,6 +229,23 @@ def sign(secret: bytes, key: str, obj: Any, nonces: Sequence[bytes] = ()) -> byt
     return _MAGIC + _mac(secret, key, count, block, body) + count + block + body
 
 
+def _fields(raw: bytes) -> tuple[bytes, bytes, bytes, bytes] | None:
+    """``(mac, count, nonce block, body)`` of a value laid out by :func:`sign`, or None if
+    it does not start like one. Nothing is checked here but the layout's head."""
+    head = len(_MAGIC) + _MAC_BYTES + _COUNT_BYTES
+    if not raw.startswith(_MAGIC) or len(raw) < head:
+        return None
+    count = raw[len(_MAGIC) + _MAC_BYTES : head]
+    end = head + int.from_bytes(count, "big") * NONCE_BYTES
+    return raw[len(_MAGIC) : len(_MAGIC) + _MAC_BYTES], count, raw[head:end], raw[end:]
+
+
+def _signed_count(nonces: Sequence[bytes]) -> int:
+    """How many of ``nonces`` are a follower's (zeros stand for a rank that posted none in
+    time): the ranks that can accept the value signed with them."""
+    return sum(1 for n in nonces if n != bytes(NONCE_BYTES))
+
+
 def verify(secret: bytes, key: str, raw: bytes, rank: int | None = None,
            nonce: bytes | None = None) -> Any:
     """Check ``raw`` (posted under ``key``) and only then unpickle it.
@@ -236,19 +253,15 @@ def verify(secret: bytes, key: str, raw: bytes, rank: int | None = None,
     With ``rank`` and ``nonce`` (a follower), the value must also hold that rank's nonce:
     otherwise it was signed for another launch, and is refused as replayed or stale.
     """
-    raw = bytes(raw)
-    head = len(_MAGIC) + _MAC_BYTES + _COUNT_BYTES
-    if not raw.startswith(_MAGIC) or len(raw) < head:
+    fields = _fields(bytes(raw))
+    if fields is None:
         raise TorchrunError(
             f"the bootstrap under {key!r} on torchrun's store is not signed: it was not "
             "posted by rank 0 of a keepalive-executor of this version; refusing it unread "
             "(is another program, or an older keepalive-executor, using this store?)"
         )
-    mac = raw[len(_MAGIC) : len(_MAGIC) + _MAC_BYTES]
-    count = raw[len(_MAGIC) + _MAC_BYTES : head]
+    mac, count, block, body = fields
     n = int.from_bytes(count, "big")
-    block = raw[head : head + n * NONCE_BYTES]
-    body = raw[head + n * NONCE_BYTES :]
     if len(block) != n * NONCE_BYTES or not hmac.compare_digest(
             mac, _mac(secret, key, count, block, body)):
         raise TorchrunError(
@@ -379,18 +392,17 @@ def _post_bootstrap(store: Any, env: TorchrunEnv, payload: dict[str, Any], secre
         return None
     key = env.key("bootstrap")
     store.set(key, sign(secret, key, {"version": BOOTSTRAP_VERSION, **payload}, nonces))
-    return sum(1 for n in nonces if n != bytes(NONCE_BYTES))
+    return _signed_count(nonces)
 
 
 def _signed_in(raw: bytes) -> int:
     """How many followers' nonces a posted value holds (zeros stand for a rank that posted
     none in time): the ranks that can read it. Only for a value :func:`verify` accepted."""
-    raw = bytes(raw)
-    head = len(_MAGIC) + _MAC_BYTES
-    n = int.from_bytes(raw[head : head + _COUNT_BYTES], "big")
-    block = raw[head + _COUNT_BYTES : head + _COUNT_BYTES + n * NONCE_BYTES]
-    zero = bytes(NONCE_BYTES)
-    return sum(1 for i in range(n) if block[i * NONCE_BYTES : (i + 1) * NONCE_BYTES] != zero)
+    fields = _fields(bytes(raw))
+    assert fields is not None, "only for a value verify() accepted"
+    block = fields[2]
+    return _signed_count([block[i : i + NONCE_BYTES]
+                          for i in range(0, len(block), NONCE_BYTES)])
 
 
 def post_error(store: Any, env: TorchrunEnv, message: str, secret: bytes,
