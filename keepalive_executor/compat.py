@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,21 +180,21 @@ def refused_rpc(method: Any) -> str | None:
     return _REFUSED_RPCS.get(method) if isinstance(method, str) else None
 
 
+_NOT_WATCHED = contextlib.nullcontext()
+
+
 class WorkerWatchdog:
     """What a worker's receive loop asks of vLLM's watchdog (0.33+; nothing before): fed
-    around each call, off while the worker waits for the next one, as mp's worker does."""
+    around each call, off while the worker waits for the next one, as mp's worker does.
+    Without a running watchdog (0.32, or ``--watchdog-config`` not given) both cost nothing
+    on the loop's path."""
 
     def __init__(self, watchdog: Any = None) -> None:
         self._dog = watchdog
 
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
+    def waiting(self) -> contextlib.AbstractContextManager:
         """Around the wait for the next message: idle is not stuck."""
-        if self._dog is None:
-            yield
-            return
-        with self._dog.disable():
-            yield
+        return _NOT_WATCHED if self._dog is None else self._dog.disable()
 
     def feed(self) -> None:
         """Before and after each call the worker runs."""
@@ -207,14 +207,14 @@ def start_worker_watchdog(rank: int, vllm_config: Any) -> WorkerWatchdog:
     (``worker_{rank}``, after the worker is ready; on only with ``--watchdog-config`` giving
     a ``dump_dir``), where the release has one."""
     try:
-        from vllm.utils.watch_dog import get_watch_dog, start_watch_dog
+        from vllm.utils.watch_dog import NoopWatchDog, start_watch_dog
     except ImportError:  # vLLM 0.32
         return WorkerWatchdog()
     config = getattr(vllm_config, "watchdog_config", None)
     if config is None:
         return WorkerWatchdog()
-    start_watch_dog(f"worker_{rank}", config, logger)
-    return WorkerWatchdog(get_watch_dog())
+    dog = start_watch_dog(f"worker_{rank}", config, logger)
+    return WorkerWatchdog(None if isinstance(dog, NoopWatchDog) else dog)
 
 
 def worker_numa_binding(vllm_config: Any, local_rank: int) -> contextlib.AbstractContextManager:
