@@ -17,7 +17,9 @@ With ``--with-torchrun`` each round also runs the torchrun mode right after keep
 is rooted at torchrun's agent and includes it.
 
 For each configuration, one ``vllm serve`` of the tiny local model
-(``python scripts/tiny_model.py``) is started in its own session/process group
+(``python scripts/tiny_model.py``; ``--model-shape wide``: ``benchmarks/wide_model.py``'s
+3-layer model with wider MLPs and vocabulary, for a longer step) is started in its own
+session/process group
 (``--enforce-eager --max-model-len 256 --max-num-seqs 8 --gpu-memory-utilization 0.2``,
 ``VLLM_CPU_KVCACHE_SPACE=1``, ``VLLM_CPU_OMP_THREADS_BIND="0|1"`` for TP=2 and ``0`` for TP=1),
 bound to 127.0.0.1 on a free port. Readiness = ``GET /health`` returns 200. Then:
@@ -49,7 +51,8 @@ not become ready, a client run fails) is reported as failed in the table; the ru
 
 Output: a markdown table (one row per configuration and round), a summary with per-backend
 means and the keepalive/mp ratios (of the means, and per round of the paired runs), the idle
-TTFT figures, and header lines (date, ``uname -m``, ``nproc``, versions, command line). Raw
+TTFT figures, and header lines (date, ``uname -m``, ``nproc``, the CPU model and whether it has
+AMX, versions, command line). Raw
 figures, including the saved ``vllm bench serve`` JSONs, go to ``--json``
 (default ``benchmarks/results/serve.json``); a bar chart of mean throughput and mean median
 TPOT per backend to ``benchmarks/results/serve.png``; server and client logs to
@@ -601,6 +604,7 @@ def report(results: list[RunResult], meta: dict[str, Any], args: argparse.Namesp
     v = meta["versions"]
     print("# bench_serve: vllm serve, keepalive executor vs mp executor (TP=2), TP=1 floor\n")
     print(f"date: {meta['date']} | uname -m: {meta['machine']} | nproc: {meta['nproc']} | "
+          f"cpu: {meta.get('cpu', 'not recorded')} | "
           f"python {platform.python_version()} | torch {v['torch']} | vllm {v['vllm']}")
     print(f"command: {meta['command']}")
     print(f"cwd: {meta['cwd']}")
@@ -883,6 +887,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--bench-timeout", type=float, default=600.0)
     p.add_argument("--model", default=None, help="model path (default: the tiny local model)")
+    p.add_argument("--model-shape", default="tiny", choices=("tiny", "wide"),
+                   help="without --model: tiny (scripts/tiny_model.py) or wide "
+                        "(benchmarks/wide_model.py: 3 layers, intermediate 768, vocab 768)")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--json", type=Path, default=RESULTS / "serve.json", help="raw figures")
     p.add_argument("--png", type=Path, default=RESULTS / "serve.png", help="bar chart")
@@ -894,10 +901,26 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def tiny_model() -> str:
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "tiny_model.py")], check=True,
-                         capture_output=True, text=True).stdout
+def tiny_model(shape: str = "tiny") -> str:
+    script = (REPO / "scripts" / "tiny_model.py" if shape == "tiny"
+              else REPO / "benchmarks" / "wide_model.py")
+    out = subprocess.run([sys.executable, str(script)], check=True, capture_output=True,
+                         text=True).stdout
     return out.strip().splitlines()[-1].strip()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (this machine kind comes with AMD EPYCs and Intel Xeons with AMX,
+    whose matrix units change the model's share of a step), and whether it has AMX."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), "unknown")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
+                  if line.startswith("flags")), [])
+    return f"{name} ({'AMX' if 'amx_tile' in flags else 'no AMX'})"
 
 
 def add_server_args(extra: list[str]) -> None:
@@ -919,11 +942,12 @@ def main() -> int:
     if args.server_args:
         add_server_args(shlex.split(args.server_args))
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    model = args.model or tiny_model()
+    model = args.model or tiny_model(args.model_shape)
     meta: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).strftime("%a %b %d %H:%M:%S UTC %Y"),
         "machine": platform.machine(),
         "nproc": os.cpu_count(),
+        "cpu": cpu_model(),
         "versions": versions(),
         "python": platform.python_version(),
         "command": shlex.join([sys.executable, *sys.argv]),
