@@ -1,5 +1,9 @@
 """``python -m keepalive_executor serve MODEL ...``: what each rank torchrun starts does.
 
+Under srun or mpirun the same: :func:`main` first maps their variables to torchrun's
+(:mod:`keepalive_executor.torchrun.launchers`), and rank 0 hosts the store that torchrun's
+agent would (:func:`~keepalive_executor.torchrun.bootstrap.host_store`), for as long as it runs.
+
 ::
 
     rank 0                                        ranks 1..N-1
