@@ -292,9 +292,10 @@ def test_a_bad_launch_is_a_clear_error_on_every_rank(request, tiny_model, tmp_pa
     """-tp 1 under two ranks, through both launchers at once: each refused before any weight
     loads, rank 0 naming the launcher's own option and rank 1 repeating rank 0's reason; the
     launchers exit non-zero with nothing left."""
-    servers = {name: LaunchedServer(tiny_model, tmp_path / f"bad-{name}.log",
-                                    *_launch(name, request), extra_args=BAD)
-               for name in ("srun", "mpirun")}
+    launches = {name: _launch(name, request) for name in ("srun", "mpirun")}
+    servers = {name: LaunchedServer(tiny_model, tmp_path / f"bad-{name}.log", launch,
+                                    extra_args=BAD, extra_env=extra_env)
+               for name, (launch, extra_env) in launches.items()}
     outcomes = {}
     try:
         for name, server in servers.items():
