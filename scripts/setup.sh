@@ -76,4 +76,6 @@ fi
 echo "setup: installing keepalive-executor (editable) with test extras"
 install -e "$repo[test,bench]"
 "$venv/bin/python" "$repo/scripts/tiny_model.py" >/dev/null
+# srun and mpirun for the launcher tests (apt-get, as root; nothing once they are there)
+bash "$repo/scripts/setup_launchers.sh"
 echo "setup: done ($venv)"

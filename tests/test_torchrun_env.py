@@ -106,7 +106,7 @@ def test_entry_point_outside_torchrun_is_a_clear_usage_error():
     proc = subprocess.run([sys.executable, "-m", "keepalive_executor", "serve", "m"],
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "must run under torchrun; RANK, LOCAL_RANK" in proc.stderr
+    assert "must run under torchrun (or srun, or mpirun); RANK, LOCAL_RANK" in proc.stderr
     bad = subprocess.run([sys.executable, "-m", "keepalive_executor", "bogus"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown command 'bogus'" in bad.stderr

@@ -1,5 +1,7 @@
-"""torchrun mode: every rank is a process of torchrun; rank 0 serves, the others follow.
+"""torchrun mode: every rank is a process of an external launcher (torchrun, or Slurm's srun,
+or Open MPI's mpirun); rank 0 serves, the others follow.
 
+* :mod:`~keepalive_executor.torchrun.launchers`  srun's and mpirun's variables as torchrun's
 * :mod:`~keepalive_executor.torchrun.env`        what torchrun tells each rank; node-local set-up
 * :mod:`~keepalive_executor.torchrun.bootstrap`  rank 0's signed configuration on the store
 * :mod:`~keepalive_executor.torchrun.liveness`   heartbeats on the store: death detection

@@ -62,6 +62,7 @@ __all__ = [
     "verify",
     "NONCE_BYTES",
     "connect_store",
+    "host_store",
     "init_world_process_group",
     "post_nonce",
     "wait_nonces",
@@ -287,7 +288,9 @@ def verify(secret: bytes, key: str, raw: bytes, rank: int | None = None,
 
 
 def connect_store(env: TorchrunEnv, timeout_s: float = 60.0) -> Any:
-    """A client of torchrun's agent store (the agent is up before any rank starts)."""
+    """A client of the rendezvous store: torchrun's agent's (up before any rank starts), or
+    the one rank 0 hosts under srun and mpirun (:func:`host_store`; the client retries its
+    connection until ``timeout_s`` while rank 0 starts)."""
     from torch.distributed import TCPStore
 
     return TCPStore(
@@ -296,6 +299,43 @@ def connect_store(env: TorchrunEnv, timeout_s: float = 60.0) -> Any:
         is_master=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def host_store(env: TorchrunEnv) -> Any:
+    """Rank 0 under a launcher without a store of its own (srun, mpirun): host the TCPStore
+    the bootstrap and liveness use, at MASTER_ADDR:MASTER_PORT, listening on that address
+    only: on one node that is 127.0.0.1, so nothing beyond this machine reaches it (unlike
+    torchrun's agent store, which listens on every interface). Hosted by rank 0's first
+    process, which outlives its engine; the socket is bound here and handed to the store,
+    since TCPStore itself binds every interface."""
+    import errno
+    import socket
+
+    from torch.distributed import TCPStore
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            env.master_addr, env.master_port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as e:
+        fix = {
+            errno.EADDRINUSE: "the port is taken: set MASTER_PORT to a free port on rank 0's "
+                              "node (the same on every rank)",
+            errno.EADDRNOTAVAIL: "MASTER_ADDR must be an address of rank 0's own node",
+        }.get(e.errno or 0, "set MASTER_ADDR/MASTER_PORT to an address and free port of "
+                            "rank 0's node")
+        raise TorchrunError(
+            f"rank 0 cannot host the rendezvous store at {env.address} "
+            f"({env.launcher} mode: MASTER_ADDR={env.master_addr}, "
+            f"MASTER_PORT={env.master_port}): {e.strerror or e}; {fix}"
+        ) from None
+    # the store's server owns the descriptor from here on (it closes it)
+    return TCPStore(env.master_addr, env.master_port, is_master=True,
+                    master_listen_fd=sock.detach(), wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=60))
 
 
 def init_world_process_group(env: TorchrunEnv, vllm_config: Any, timeout_s: float) -> None:

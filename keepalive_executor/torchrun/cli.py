@@ -1,5 +1,9 @@
 """``python -m keepalive_executor serve MODEL ...``: what each rank torchrun starts does.
 
+Under srun or mpirun the same: :func:`main` first maps their variables to torchrun's
+(:mod:`keepalive_executor.torchrun.launchers`), and rank 0 hosts the store that torchrun's
+agent would (:func:`~keepalive_executor.torchrun.bootstrap.host_store`), for as long as it runs.
+
 ::
 
     rank 0                                        ranks 1..N-1
@@ -49,6 +53,7 @@ from keepalive_executor.torchrun.bootstrap import (
     ENV_SECRET_FILE,
     connect_store,
     create_node_secret,
+    host_store,
     init_world_process_group,
     load_secret,
     post_error,
@@ -65,6 +70,7 @@ from keepalive_executor.torchrun.env import (
     set_parent_death_signal,
     with_keepalive_backend,
 )
+from keepalive_executor.torchrun.launchers import LaunchError, torchrun_variables
 from keepalive_executor.torchrun.liveness import Heartbeat
 
 __all__ = ["STATUS_FILE_ENV", "record_failure", "StartErrorReport", "main", "USAGE"]
@@ -107,14 +113,15 @@ def _remove(path: str | None) -> None:
 
 
 def _lead(env: TorchrunEnv, argv: list[str]) -> int:
-    """Rank 0: run vLLM's ``serve`` in this process with the keepalive executor."""
+    """Rank 0: run vLLM's ``serve`` in this process with the keepalive executor (and, under
+    srun or mpirun, host the rendezvous store for every rank, for as long as it runs)."""
     set_parent_death_signal(signal.SIGTERM)
+    store = host_store(env) if env.hosts_store else connect_store(env)
     secret_file = None
     if env.one_node and not os.environ.get(ENV_SECRET) and not os.environ.get(ENV_SECRET_FILE):
         secret_file = create_node_secret(env)
         os.environ[ENV_SECRET_FILE] = secret_file  # the engine process signs with it
     secret, _ = load_secret(env)
-    store = connect_store(env)
     fd, status_path = tempfile.mkstemp(prefix="keepalive-status-")
     os.close(fd)
     os.environ[LAUNCHER_ENV] = "torchrun"
@@ -317,12 +324,14 @@ def _read_bootstrap(store: Any, env: TorchrunEnv, timeout_s: float,
 
 USAGE = """\
 usage: torchrun [torchrun options] -m keepalive_executor serve MODEL [vllm serve options]
+       srun --ntasks N --kill-on-bad-exit=1 python -m keepalive_executor serve MODEL ...
+       mpirun -np N python -m keepalive_executor serve MODEL ...
 
-Serve MODEL with vLLM, tensor-parallel over the ranks torchrun starts. Rank 0 runs vLLM's
+Serve MODEL with vLLM, tensor-parallel over the ranks the launcher starts. Rank 0 runs vLLM's
 API server and the engine (the keepalive executor's driver); every other rank follows the
-driver. vllm serve options are read on rank 0 only; -tp must equal torchrun's world size.
+driver. vllm serve options are read on rank 0 only; -tp x -pp must equal the world size.
 Across several nodes, set VLLM_KEEPALIVE_SECRET to the same value on every node.
-See docs/torchrun.md.
+See docs/torchrun.md and docs/launchers.md.
 """
 
 
@@ -335,12 +344,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[0] != "serve":
         print(f"unknown command {args[0]!r}\n\n{USAGE}", end="", file=sys.stderr)
         return exit_codes.USAGE
-    # before vLLM rewrites it (its CPU platform sets LOCAL_WORLD_SIZE to the TP size); the
-    # engine process inherits the saved value, which decides one node or several there
-    os.environ.setdefault(ENV_TORCHRUN_LOCAL_WORLD_SIZE, os.environ.get("LOCAL_WORLD_SIZE", ""))
     try:
+        # srun's and mpirun's numbers under torchrun's names (none under torchrun): from here
+        # on, and in rank 0's engine process, every launcher reads alike
+        os.environ.update(torchrun_variables(os.environ))
+        # before vLLM rewrites it (its CPU platform sets LOCAL_WORLD_SIZE to the TP size); the
+        # engine process inherits the saved value, which decides one node or several there
+        os.environ.setdefault(ENV_TORCHRUN_LOCAL_WORLD_SIZE,
+                              os.environ.get("LOCAL_WORLD_SIZE", ""))
         env = TorchrunEnv.from_environ()
-    except TorchrunError as e:
+    except (TorchrunError, LaunchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return exit_codes.USAGE
     default_gloo_interface(env)

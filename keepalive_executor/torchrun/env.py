@@ -14,6 +14,14 @@ from typing import Any
 
 from keepalive_executor.errors import KeepaliveConfigError
 from keepalive_executor.log import get_logger
+from keepalive_executor.torchrun.launchers import (
+    ENV_LAUNCHER,
+    ENV_RESTART_COUNT,
+    ENV_RUN_ID,
+    MPIRUN,
+    SRUN,
+    TORCHRUN,
+)
 
 __all__ = [
     "LAUNCHER_ENV",
@@ -31,8 +39,15 @@ __all__ = [
 
 logger = get_logger(__name__)
 
-#: Set by the CLI on rank 0: the executor in this process tree is in torchrun mode.
+#: Set by the CLI on rank 0: the executor in this process tree is in torchrun mode (its ranks
+#: started by torchrun, srun or mpirun; the value is "torchrun" for all three).
 LAUNCHER_ENV = "KEEPALIVE_EXECUTOR_LAUNCHER"
+#: How to give a launcher the number of ranks vLLM needs, in its own options.
+_WORLD_HINT = {
+    TORCHRUN: "give torchrun --nnodes x --nproc-per-node = {need}",
+    SRUN: "give srun --ntasks {need} (or --nodes x --ntasks-per-node = {need})",
+    MPIRUN: "give mpirun -np {need}",
+}
 #: torchrun's own LOCAL_WORLD_SIZE, saved by ``python -m keepalive_executor`` before vLLM
 #: runs: vLLM's CPU platform overwrites LOCAL_WORLD_SIZE with the TP size in its config check
 #: (vllm/platforms/cpu.py, 0.32), which made TP across two nodes look like one node.
@@ -53,7 +68,9 @@ class TorchrunError(RuntimeError):
 
 @dataclass(frozen=True)
 class TorchrunEnv:
-    """What torchrun tells each rank through the environment."""
+    """What the launcher tells each rank through the environment, under torchrun's names
+    (srun's and mpirun's own variables are mapped to them first, see
+    :mod:`keepalive_executor.torchrun.launchers`)."""
 
     rank: int
     local_rank: int
@@ -63,6 +80,13 @@ class TorchrunEnv:
     run_id: str = "none"
     restart_count: int = 0
     local_world_size: int | None = None
+    #: which launcher started the ranks: torchrun, srun or mpirun
+    launcher: str = TORCHRUN
+
+    @property
+    def hosts_store(self) -> bool:
+        """Rank 0 hosts the store (no torchrun agent to host it)."""
+        return self.launcher != TORCHRUN
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> TorchrunEnv:
@@ -71,11 +95,13 @@ class TorchrunEnv:
         missing = [k for k in _REQUIRED if not env.get(k)]
         if missing:
             raise TorchrunError(
-                f"python -m keepalive_executor serve must run under torchrun; "
-                f"{', '.join(missing)} not set. Start it as: torchrun --nproc-per-node N "
-                "-m keepalive_executor serve MODEL -tp N [vllm serve options] "
-                "(or use `vllm serve ... --distributed-executor-backend keepalive`, which "
-                "starts the ranks itself)"
+                f"python -m keepalive_executor serve must run under torchrun (or srun, or "
+                f"mpirun); {', '.join(missing)} not set. Start it as: torchrun "
+                "--nproc-per-node N -m keepalive_executor serve MODEL -tp N [vllm serve "
+                "options], or `srun --ntasks N --kill-on-bad-exit=1 python -m "
+                "keepalive_executor serve ...`, or `mpirun -np N python -m keepalive_executor "
+                "serve ...` (or use `vllm serve ... --distributed-executor-backend "
+                "keepalive`, which starts the ranks itself)"
             )
         try:
             local_world = torchrun_local_world_size(env)  # torchrun's, not vLLM's rewrite
@@ -85,15 +111,17 @@ class TorchrunEnv:
                 world_size=int(env["WORLD_SIZE"]),
                 master_addr=env["MASTER_ADDR"],
                 master_port=int(env["MASTER_PORT"]),
-                run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
-                restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                run_id=env.get(ENV_RUN_ID) or env.get("TORCHELASTIC_RUN_ID", "none"),
+                restart_count=int(env.get(ENV_RESTART_COUNT)
+                                  or env.get("TORCHELASTIC_RESTART_COUNT", "0")),
                 local_world_size=int(local_world) if local_world else None,
+                launcher=env.get(ENV_LAUNCHER) or TORCHRUN,
             )
         except ValueError as e:
             raise TorchrunError(f"torchrun's environment is malformed: {e}") from None
         if not 0 <= parsed.rank < parsed.world_size:
             raise TorchrunError(f"RANK={parsed.rank} is outside WORLD_SIZE={parsed.world_size}")
-        if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        if not parsed.hosts_store and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             raise TorchrunError(
                 "keepalive's torchrun mode receives its configuration over torchrun's agent "
                 "store, but TORCHELASTIC_USE_AGENT_STORE is not True (was the process "
@@ -148,13 +176,14 @@ def check_world_size(parallel_config: Any, environ: Mapping[str, str] | None = N
         )
     env = TorchrunEnv.from_environ(environ)
     need = parallel_config.world_size
+    hint = _WORLD_HINT.get(env.launcher, _WORLD_HINT[TORCHRUN])
     if env.world_size != need:
         raise KeepaliveConfigError(
-            f"torchrun started WORLD_SIZE={env.world_size} ranks but vLLM's configuration "
-            f"needs {need} (--tensor-parallel-size={parallel_config.tensor_parallel_size} x "
-            f"--pipeline-parallel-size={parallel_config.pipeline_parallel_size}); pass -tp and "
-            f"-pp whose product is {env.world_size}, or give torchrun --nnodes x "
-            f"--nproc-per-node = {need}"
+            f"{env.launcher} started WORLD_SIZE={env.world_size} ranks but vLLM's "
+            f"configuration needs {need} (--tensor-parallel-size="
+            f"{parallel_config.tensor_parallel_size} x --pipeline-parallel-size="
+            f"{parallel_config.pipeline_parallel_size}); pass -tp and -pp whose product is "
+            f"{env.world_size}, or {hint.format(need=need)}"
         )
 
 
