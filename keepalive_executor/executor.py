@@ -55,7 +55,6 @@ from keepalive_executor.config import (
     settings_from_vllm_config,
 )
 from keepalive_executor.connectors import merge as merge_connector_outputs
-from keepalive_executor.deferred import DeferredOutputs
 from keepalive_executor.driver import DriverRank
 from keepalive_executor.groups import open_world_channel
 from keepalive_executor.lifecycle import (
@@ -71,8 +70,8 @@ from keepalive_executor.outputs import OutputReceiver, open_output_link, output_
 from keepalive_executor.pacer import Pacer
 from keepalive_executor.polled import StepCaller
 from keepalive_executor.ranks import Ranks, make_ranks
-from keepalive_executor.rpc import Replies, RpcReply, RpcRequest, gather_replies
-from keepalive_executor.steps import StepRunner, execute_then_sample
+from keepalive_executor.rpc import Replies, RpcReply, gather_replies
+from keepalive_executor.steps import Step, StepRunner
 
 __all__ = ["KeepaliveExecutor", "ExecutorFailedError"]
 
@@ -117,16 +116,6 @@ def _destroy_groups() -> None:
 
     destroy_model_parallel()
     destroy_distributed_environment()
-
-
-def _as_future(fn: Callable[[], Any]) -> Future:
-    """Run ``fn`` now and return a completed :class:`concurrent.futures.Future`."""
-    future: Future = Future()
-    try:
-        future.set_result(fn())
-    except Exception as e:  # noqa: BLE001 - delivered through the future
-        future.set_exception(e)
-    return future
 
 
 class KeepaliveExecutor(Executor):
@@ -178,10 +167,8 @@ class KeepaliveExecutor(Executor):
         self._channel: Any = None
         self._pacer: Pacer | None = None
         self._steps: StepRunner | None = None
-        self._deferred: DeferredOutputs | None = None
         self._watch: StepWatch | None = None
         self._outputs: OutputReceiver | None = None
-        self._pp_sample: Future | None = None
         self._step_caller: StepCaller | None = None
         #: NCCL/RCCL: aborts this process's groups when a step is given up (nccl.py)
         self._abort_groups: Callable[[], object] | None = None
@@ -259,8 +246,8 @@ class KeepaliveExecutor(Executor):
             channel=channel, pacer=self._pacer, driver=driver, lifecycle=self._life,
             gather=gather, fail=self._fail_in_step, execute_timeout_s=settings.execute_timeout_s,
             error_window_s=settings.failure_grace_s, merge=self._merge_connector_outputs,
+            expect=None if self._outputs is None else self._outputs.expect,
         )
-        self._deferred = DeferredOutputs(self._steps.run_local)
         if self._engine_polls_steps():
             self._step_caller = StepCaller()
         if self._watch is None:
@@ -397,18 +384,48 @@ class KeepaliveExecutor(Executor):
     ) -> Any:
         """Run ``method`` on every rank; results in rank order (or rank
         ``unique_reply_rank``'s alone). Raises WorkerRpcError naming a failing rank."""
-        assert self._steps is not None, "keepalive executor is not started"
         refused = compat.refused_rpc(method)
-        if refused is not None:
-            error = NotImplementedError(refused)
-            return _as_future(partial(_raise, error)) if non_block else _raise(error)
-        req = RpcRequest(method, tuple(args), kwargs or {}, Replies.ALL)
-        call = partial(self._steps.call, req, timeout=timeout,
-                       unique_reply_rank=unique_reply_rank)
-        return _as_future(call) if non_block else call()
+        future = (_failed(NotImplementedError(refused)) if refused is not None
+                  else self._submit(Step.rpc(method, args, kwargs, timeout, unique_reply_rank)))
+        return future if non_block else future.result()
 
-    def _step_replies(self) -> Replies:
-        """STEP while a KV/EC connector's per-rank outputs must be merged (connectors.py)."""
+    def execute_model(  # type: ignore[override]
+        self, scheduler_output: Any, non_block: bool = False
+    ) -> Any:
+        """One model step on every rank. Without structured-output requests it is the fused
+        step (one broadcast; see steps.py)."""
+        step = Step.execute(scheduler_output, self._model_reply())
+        if non_block and self._step_caller is not None:  # the engine polls it (polled.py)
+            return self._step_caller.submit(lambda: self._submit(step).result())
+        future = self._submit(step)
+        return future if non_block else future.result()
+
+    def sample_tokens(  # type: ignore[override]
+        self, grammar_output: Any, non_block: bool = False
+    ) -> Any:
+        """Sampling on every rank (after a fused step: what rank 0 already sampled)."""
+        future = self._submit(Step.model_call("sample_tokens", (grammar_output,),
+                                              self._model_reply()))
+        return future if non_block else future.result()
+
+    def execute_dummy_batch(self) -> None:
+        """A dummy step on every rank."""
+        self._submit(Step.model_call("execute_dummy_batch", (), Replies.DRIVER)).result()
+
+    def take_draft_token_ids(self) -> Any:
+        """The output rank's draft tokens (every rank takes its own)."""
+        reply = Replies.OUTPUT if self._pp else Replies.DRIVER
+        return self._submit(Step.model_call("take_draft_token_ids", (), reply)).result()
+
+    def _submit(self, step: Step) -> Future:
+        assert self._steps is not None, "keepalive executor is not started"
+        return self._steps.submit(step)
+
+    def _model_reply(self) -> Replies:
+        """What a model step's policy is: the last stage's output (pipeline), every rank's
+        connector outputs merged (a KV/EC connector: connectors.py), or rank 0's own."""
+        if self._pp:
+            return Replies.OUTPUT
         if os.environ.get(_TEST_NO_CONNECTOR_MERGE_ENV) == "1":
             return Replies.DRIVER
         if (getattr(self, "kv_output_aggregator", None) is not None
@@ -419,84 +436,6 @@ class KeepaliveExecutor(Executor):
     def _merge_connector_outputs(self, output: Any, replies: list[Any]) -> Any:
         return merge_connector_outputs(output, replies, self.kv_output_aggregator,
                                        self.ec_output_aggregator)
-
-    def _model_step(self, method: str, *args: Any, replies: Replies | None = None) -> Any:
-        assert self._steps is not None, "keepalive executor is not started"
-        replies = self._step_replies() if replies is None else replies
-        return self._steps.model_step(RpcRequest(method, args, {}, replies))
-
-    def execute_model(  # type: ignore[override]
-        self, scheduler_output: Any, non_block: bool = False
-    ) -> Any:
-        """One model step on every rank; rank 0's output. Without structured-output
-        requests it is the fused step (one broadcast; see steps.py). Under async scheduling
-        the output resolves when first asked for (deferred.py)."""
-        assert self._steps is not None and self._deferred is not None, \
-            "keepalive executor is not started"
-        fused = not getattr(scheduler_output, "has_structured_output_requests", True)
-        if self._pp:
-            return self._pipeline_execute(scheduler_output, fused, non_block)
-        if fused:
-            call = partial(self._steps.execute_fused, scheduler_output, self._step_replies())
-        else:
-            call = partial(self._model_step, "execute_model", scheduler_output)
-        if non_block and self._step_caller is not None:
-            return self._step_caller.submit(partial(self._deferred.call, "execute_model",
-                                                    call, False))
-        return self._deferred.call("execute_model", call, non_block)
-
-    def sample_tokens(  # type: ignore[override]
-        self, grammar_output: Any, non_block: bool = False
-    ) -> Any:
-        """Sampling on every rank (the others already sampled after a fused step)."""
-        assert self._steps is not None and self._deferred is not None, \
-            "keepalive executor is not started"
-        if self._pp:
-            future, self._pp_sample = self._pp_sample, None
-            if future is None or grammar_output is not None:
-                future = self._pipeline_step(RpcRequest("sample_tokens", (grammar_output,), {},
-                                                        Replies.OUTPUT))
-            return future if non_block else future.result()
-        if self._steps.sample_pending:
-            call = partial(self._steps.take_sampled, grammar_output)
-        else:
-            call = partial(self._model_step, "sample_tokens", grammar_output)
-        return self._deferred.call("sample_tokens", call, non_block)
-
-    # -- pipeline parallelism: results come from the last stage (outputs.py) --------
-    def _pipeline_step(self, req: RpcRequest, local_method: Any = None) -> Future:
-        assert self._steps is not None and self._outputs is not None
-        try:
-            return self._steps.call_output(req, self._outputs.expect, local_method)
-        except Exception as e:  # noqa: BLE001 - delivered through the future
-            future: Future = Future()
-            future.set_exception(e)
-            return future
-
-    def _pipeline_execute(self, scheduler_output: Any, fused: bool, non_block: bool) -> Any:
-        """Broadcast the step, run stage 0's part, return a future of the last stage's
-        output. Fused: the last stage samples right after its forward pass and sends both
-        results; the engine's sample_tokens then gets the second."""
-        self._pp_sample = None
-        if fused:
-            both = self._pipeline_step(
-                RpcRequest(execute_then_sample, (scheduler_output,), {}, Replies.OUTPUT))
-            future, self._pp_sample = _split_pair(both)
-        else:
-            future = self._pipeline_step(
-                RpcRequest("execute_model", (scheduler_output,), {}, Replies.OUTPUT))
-        return future if non_block else future.result()
-
-    def execute_dummy_batch(self) -> None:
-        """A dummy step on every rank."""
-        self._model_step("execute_dummy_batch", replies=Replies.DRIVER)
-
-    def take_draft_token_ids(self) -> Any:
-        """The output rank's draft tokens (every rank takes its own)."""
-        if self._pp:
-            return self._pipeline_step(
-                RpcRequest("take_draft_token_ids", (), {}, Replies.OUTPUT)).result()
-        return self._model_step("take_draft_token_ids", replies=Replies.DRIVER)
 
     def compile_or_warm_up_model(self) -> Any:
         """vLLM's warm-up, returning what vLLM's returns (0.34: every rank's compilation
@@ -596,27 +535,10 @@ def _allocate_pipeline_buffers(worker: Any) -> bool:
     return True
 
 
-def _raise(error: BaseException) -> Any:
-    raise error
-
-
-def _split_pair(both: Future) -> tuple[Future, Future]:
-    """Two futures for the two halves of a future pair (or both failing with its error)."""
-    first: Future = Future()
-    second: Future = Future()
-
-    def settle(f: Future) -> None:
-        error = f.exception()
-        if error is not None:
-            first.set_exception(error)
-            second.set_exception(error)
-        else:
-            a, b = f.result()
-            first.set_result(a)
-            second.set_result(b)
-
-    both.add_done_callback(settle)
-    return first, second
+def _failed(error: BaseException) -> Future:
+    future: Future = Future()
+    future.set_exception(error)
+    return future
 
 
 def _gather(mine: RpcReply, timeout_s: float | None, *, group: Any, world_size: int,

@@ -230,6 +230,8 @@ class UnitExecutor(KeepaliveExecutor):
         f = UnitExecutor.fakes
         self._init_state(clock=f["clock"])
         self._ranks = FakeRanks()
+        self._outputs = f.get("outputs")  # pipeline steps' outputs (outputs.py)
+        self._pp = self._outputs is not None
         self._assemble(f["settings"], f["channel"], f["driver"], f["gather"], clock=f["clock"],
                        threads=False)
         self._abort_groups = f.get("abort")  # what a give-up runs on NCCL (nccl.py)
@@ -241,7 +243,8 @@ class PolledUnitExecutor(UnitExecutor):
     poll_steps = True
 
 
-def make_executor(trace: Trace, clock: Clock, gather, abort=None, poll_steps: bool = False):
+def make_executor(trace: Trace, clock: Clock, gather, abort=None, poll_steps: bool = False,
+                  outputs=None):
     echo_rank.trace = trace
     cfg = SimpleNamespace(model_config=None, cache_config=None, lora_config=None,
                           load_config=None, parallel_config=SimpleNamespace(
@@ -251,7 +254,7 @@ def make_executor(trace: Trace, clock: Clock, gather, abort=None, poll_steps: bo
                           observability_config=None)
     channel, driver = FakeChannel(trace), make_driver(trace)
     UnitExecutor.fakes = dict(
-        clock=clock, channel=channel, driver=driver, gather=gather, abort=abort,
+        clock=clock, channel=channel, driver=driver, gather=gather, abort=abort, outputs=outputs,
         settings=KeepaliveSettings(channel=ChannelSpec(), interval_s=INTERVAL, timeout_s=10,
                                    interval_source="test", timeout_source="test",
                                    failure_grace_s=GRACE, execute_timeout_s=STEP_TIMEOUT),
@@ -1033,8 +1036,8 @@ class FakeOutputs:
 
 def test_pipeline_steps_overlap_resolve_in_order_and_hold_the_pacer_until_their_output():
     trace, clock = Trace(), Clock()
-    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD)
-    ex._pp, ex._outputs = True, FakeOutputs()
+    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD,
+                                        outputs=FakeOutputs())
     pacer = ex._pacer
     # batch A: fused execute_model returns at once with a pending future; so does sample
     exec_a = ex.execute_model(so(), non_block=True)
@@ -1073,8 +1076,8 @@ def test_pipeline_keeps_p_plus_one_batches_in_flight_as_async_scheduling_asks():
     under PP (VllmConfig.max_concurrent_batches): three at PP=2, each broadcast at once,
     each holding the pacer until its output arrived, resolved in step order."""
     trace, clock = Trace(), Clock()
-    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD)
-    ex._pp, ex._outputs = True, FakeOutputs()
+    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD,
+                                        outputs=FakeOutputs())
     pacer = ex._pacer
     samples = []
     for _ in range(3):
