@@ -163,7 +163,8 @@ class Step:
     instead of ``request.method`` (a fused step's half that returns both outputs);
     ``model``: a model step (the step timeout; it discards an unclaimed sampled half);
     ``timeout_s``: a ``collective_rpc``'s own timeout; ``unique_reply_rank``: the one rank
-    whose reply a ``collective_rpc`` returns."""
+    whose reply a ``collective_rpc`` returns; ``merge(output, replies)``: a STEP policy's
+    merge of every rank's connector outputs into rank 0's output."""
 
     name: str
     request: RpcRequest
@@ -171,6 +172,7 @@ class Step:
     model: bool = False
     timeout_s: float | None = None
     unique_reply_rank: int | None = None
+    merge: Callable[[Any, list[Any]], Any] | None = None
 
     @property
     def reply(self) -> Replies:
@@ -191,20 +193,23 @@ class Step:
         return cls(req.name, req, timeout_s=timeout, unique_reply_rank=unique_reply_rank)
 
     @classmethod
-    def model_call(cls, method: str, args: tuple, reply: Replies) -> Step:
-        """A model step: ``reply`` is DRIVER, STEP (connectors) or OUTPUT (pipeline)."""
-        return cls(method, RpcRequest(method, args, {}, reply), model=True)
+    def model_call(cls, method: str, args: tuple, reply: Replies,
+                   merge: Callable[[Any, list[Any]], Any] | None = None) -> Step:
+        """A model step: ``reply`` is DRIVER, STEP (connectors, with its ``merge``) or
+        OUTPUT (pipeline)."""
+        return cls(method, RpcRequest(method, args, {}, reply), model=True, merge=merge)
 
     @classmethod
-    def execute(cls, scheduler_output: Any, reply: Replies) -> Step:
+    def execute(cls, scheduler_output: Any, reply: Replies,
+                merge: Callable[[Any, list[Any]], Any] | None = None) -> Step:
         """``execute_model``: fused with its sampling unless the batch has structured-output
         requests (see the module docstring)."""
         if getattr(scheduler_output, "has_structured_output_requests", True):
-            return cls.model_call("execute_model", (scheduler_output,), reply)
+            return cls.model_call("execute_model", (scheduler_output,), reply, merge)
         # the output rank sends both halves; other ranks return one output
         wire = execute_then_sample if reply is Replies.OUTPUT else execute_and_sample
         return cls("execute_model", RpcRequest(wire, (scheduler_output,), {}, reply),
-                   local=execute_then_sample, model=True)
+                   local=execute_then_sample, model=True, merge=merge)
 
 
 class StepState(enum.Enum):
@@ -296,8 +301,8 @@ class _Outcome:
 class StepRunner:
     """Runs steps on the channel for the executor (see the module docstring).
 
-    ``expect``: the output receiver's (pipeline only); ``merge(output, replies)``: a
-    connector's outputs merged (STEP steps only); ``fail(reason)``: the executor's failure."""
+    ``expect``: the output receiver's (pipeline only); ``fail(reason)``: the executor's
+    failure."""
 
     def __init__(
         self,
@@ -310,7 +315,6 @@ class StepRunner:
         fail: Callable[[str], None],
         execute_timeout_s: float,
         error_window_s: float,
-        merge: Callable[[Any, list[Any]], Any] | None = None,
         expect: Expect | None = None,
     ) -> None:
         self._channel = channel
@@ -321,7 +325,6 @@ class StepRunner:
         self._fail = fail
         self._execute_timeout_s = execute_timeout_s
         self._error_window_s = error_window_s
-        self._merge = merge
         self._expect = expect
         self.owner = threading.RLock()
         self.deferred = DeferredOutputs(self.run_local)
@@ -518,7 +521,7 @@ class StepRunner:
         if value is not None:
             return value, None
         if step.reply is Replies.STEP:  # the other ranks reply about the step's last output
-            sampled = self._merged(sampled, outcome.replies)
+            sampled = _merged(step, sampled, outcome.replies)
             outcome.replies = None
         return None, _done(sampled)
 
@@ -530,7 +533,7 @@ class StepRunner:
         if reply is Replies.OUTPUT:
             return value if isinstance(value, Future) else _done(value)
         if reply is Replies.STEP and outcome.replies is not None:
-            value = self._merged(value, outcome.replies)
+            value = _merged(step, value, outcome.replies)
         if isinstance(value, AsyncModelRunnerOutput):
             return self.deferred.defer(step.name, value)
         return _done(value)
@@ -544,10 +547,6 @@ class StepRunner:
                 raise WorkerRpcError(step.request.name, r)
         values = [r.value for r in outcome.replies]
         return values if step.unique_reply_rank is None else values[step.unique_reply_rank]
-
-    def _merged(self, value: Any, replies: list[RpcReply] | None) -> Any:
-        assert self._merge is not None and replies is not None, "STEP needs a merge"
-        return self._merge(value, [r.value for r in replies])
 
     def _take_sampled(self, step: Step) -> Future:
         """A sample step after a fused one: its sampled half, nothing broadcast."""
@@ -610,6 +609,11 @@ class StepRunner:
                            outcome[0] if outcome else f"still sending after {timeout_s:g}s")
             return False
         return True
+
+
+def _merged(step: Step, value: Any, replies: list[RpcReply] | None) -> Any:
+    assert step.merge is not None and replies is not None, "a STEP policy needs its merge"
+    return step.merge(value, [r.value for r in replies])
 
 
 def _done(value: Any) -> Future:
