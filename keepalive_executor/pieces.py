@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -355,7 +356,7 @@ class Pieces:
             self.outputs.stop()
         channel, steps = self.channel, self.steps
         if not failed and channel is not None and steps is not None and not channel.closed:
-            steps.send_shutdown(channel.send_shutdown, SHUTDOWN_SEND_S)
+            _send_shutdown(steps.owner, channel.send_shutdown, SHUTDOWN_SEND_S)
         codes = self.ranks.stop(failed=failed) if self.ranks is not None else {}
         self.worker_exit_codes = codes
         if self.driver is not None:
@@ -389,6 +390,34 @@ class Pieces:
                 "keepalive: %d pipeline output(s) did not arrive within %gs of shutdown; "
                 "rank %d may stay blocked in its send and be stopped by signal",
                 self.outputs.pending, SHUTDOWN_SEND_S, output_rank(self.parallel_config))
+
+
+def _send_shutdown(owner: Any, channel_shutdown: Callable[[], Any], timeout_s: float) -> bool:
+    """Broadcast SHUTDOWN once no step holds the channel (``owner``, the step runner's lock),
+    from thread keepalive-send-shutdown; bounded by ``timeout_s`` whatever the channel does."""
+    if not owner.acquire(timeout=timeout_s):
+        logger.warning("keepalive: a step still holds the channel; SHUTDOWN not sent")
+        return False
+    try:
+        outcome: list[BaseException | None] = []
+
+        def send() -> None:
+            try:
+                channel_shutdown()
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - workers are then stopped by signal
+                outcome.append(e)
+
+        sender = threading.Thread(target=send, name="keepalive-send-shutdown", daemon=True)
+        sender.start()
+        sender.join(timeout_s)
+    finally:
+        owner.release()
+    if not outcome or outcome[0] is not None:
+        logger.warning("could not broadcast SHUTDOWN to the other ranks: %s",
+                       outcome[0] if outcome else f"still sending after {timeout_s:g}s")
+        return False
+    return True
 
 
 def _gather(mine: RpcReply, timeout_s: float | None, *, group: Any, world_size: int,

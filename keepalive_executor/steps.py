@@ -337,7 +337,8 @@ class StepRunner:
         its answer as a Future once rank 0's part is done (an Exception goes into the
         Future; a ``BaseException`` such as ``KeyboardInterrupt`` propagates)."""
         try:
-            if step.request.method == "sample_tokens" and self._sampled is not None:
+            if (self._sampled is not None and step.model
+                    and step.request.method == "sample_tokens"):
                 return self._take_sampled(step)
             data = encode_request(step.request)  # before anything is held or sent
             with self.owner, self._held(step) as run:
@@ -583,32 +584,6 @@ class StepRunner:
                 return self._driver.run(fn)
             finally:
                 self._life.exit()
-
-    def send_shutdown(self, channel_shutdown: Callable[[], Any], timeout_s: float) -> bool:
-        """Broadcast SHUTDOWN once no step holds the channel; bounded by ``timeout_s``."""
-        if not self.owner.acquire(timeout=timeout_s):
-            logger.warning("keepalive: a step still holds the channel; SHUTDOWN not sent")
-            return False
-        try:
-            outcome: list[BaseException | None] = []
-
-            def send() -> None:
-                try:
-                    channel_shutdown()
-                    outcome.append(None)
-                except BaseException as e:  # noqa: BLE001 - workers are then stopped by signal
-                    outcome.append(e)
-
-            sender = threading.Thread(target=send, name="keepalive-send-shutdown", daemon=True)
-            sender.start()
-            sender.join(timeout_s)
-        finally:
-            self.owner.release()
-        if not outcome or outcome[0] is not None:
-            logger.warning("could not broadcast SHUTDOWN to the other ranks: %s",
-                           outcome[0] if outcome else f"still sending after {timeout_s:g}s")
-            return False
-        return True
 
 
 def _merged(step: Step, value: Any, replies: list[RpcReply] | None) -> Any:

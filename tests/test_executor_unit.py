@@ -958,6 +958,23 @@ def test_keepalives_are_sent_while_idle_between_steps():
     ex.shutdown()
 
 
+def test_a_users_collective_rpc_of_sample_tokens_leaves_a_fused_steps_sampled_half():
+    """Only the engine's sample_tokens takes what a fused step sampled: a collective_rpc of
+    the same method name is a call of its own (broadcast, every rank's reply), and the
+    engine's sample_tokens afterwards still gets the fused step's output."""
+    trace, clock = Trace(), Clock()
+    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD)
+    trace.step_id = 1
+    assert ex.execute_model(so()) is None
+    trace.step_id = 2
+    before = trace.broadcasts()
+    assert ex.collective_rpc("sample_tokens", args=(None,)) == ["sampled-2"] * WORLD
+    assert trace.broadcasts() == before + 1
+    assert ex.sample_tokens(None) == "sampled-1"
+    assert trace.broadcasts() == before + 1
+    ex.shutdown()
+
+
 def test_ctrl_c_while_rank0_is_stuck_fails_the_executor_and_shutdown_stays_bounded():
     """A real SIGINT in the calling (main) thread while rank 0's thread is blocked inside a
     collective_rpc: the call raises KeyboardInterrupt, the executor fails naming it (the
