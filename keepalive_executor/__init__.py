@@ -12,7 +12,8 @@ collective never times out. Layout (one module, one role):
 * :mod:`~keepalive_executor.rpc`         call envelopes, replies and the reply gather
 * :mod:`~keepalive_executor.pacer`       the idle/busy state machine and its thread
 * :mod:`~keepalive_executor.lifecycle`   the executor's states and the step watch
-* :mod:`~keepalive_executor.steps`       one step on the channel, top-down
+* :mod:`~keepalive_executor.steps`       one engine call, one Step: ``submit(step) -> Future``,
+  the reply policies' rank-0 side, a step's life top-down
 * :mod:`~keepalive_executor.driver`      rank 0's worker, on a thread of its own
 * :mod:`~keepalive_executor.binding`     which CPUs a rank's threads run on (rank 0 and workers)
 * :mod:`~keepalive_executor.polled`      vLLM 0.34: model steps the engine polls while they run
@@ -22,7 +23,8 @@ collective never times out. Layout (one module, one role):
 * :mod:`~keepalive_executor.connectors`  KV/EC connector outputs merged from every rank
 * :mod:`~keepalive_executor.ranks`       where ranks 1..N-1 come from (one interface)
 * :mod:`~keepalive_executor.launcher`    spawned worker processes: start, ready, watch, stop
-* :mod:`~keepalive_executor.executor`    the vLLM ``Executor`` (driver side)
+* :mod:`~keepalive_executor.executor`    the vLLM ``Executor``: the engine's calls, a few lines each
+* :mod:`~keepalive_executor.pieces`      rank 0's pieces wired: start-up, failure, shutdown
 * :mod:`~keepalive_executor.worker_loop` the receive loop of ranks 1..N-1
 * :mod:`~keepalive_executor.exit_codes`, :mod:`~keepalive_executor.log`,
   :mod:`~keepalive_executor.errors` (``KeepaliveConfigError``, every start-up check's)

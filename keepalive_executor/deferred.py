@@ -87,19 +87,6 @@ class DeferredOutputs:
         """Outputs nobody has asked for yet."""
         return len(self._pending)
 
-    def call(self, name: str, fn: Callable[[], Any], non_block: bool) -> Any:
-        """Run the step ``fn``; its output as a future (``non_block``) or resolved."""
-        try:
-            value = fn()
-        except Exception as e:  # noqa: BLE001 - delivered through the future
-            if not non_block:
-                raise
-            failed: Future = Future()
-            failed.set_exception(e)
-            return failed
-        future = self.defer(name, value)
-        return future if non_block else future.result()
-
     def defer(self, name: str, value: Any) -> Future:
         """A future of ``value``: deferred if it is an async output, done otherwise."""
         if not is_async_output(value):

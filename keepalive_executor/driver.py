@@ -31,7 +31,6 @@ from typing import Any
 
 from keepalive_executor.binding import bind_threads, share_binding
 from keepalive_executor.log import get_logger
-from keepalive_executor.outputs import resolve_output
 
 __all__ = ["DriverRank"]
 
@@ -74,16 +73,6 @@ class DriverRank:
         finally:
             with self._lock:
                 self._pending.discard(future)
-
-    def invoke(self, method: str | Callable[..., Any], args: tuple = (),
-               kwargs: dict | None = None, *, resolve: bool = True) -> Any:
-        """Run a worker method on rank 0's worker *in the calling thread*: for work that is
-        already on the driver's thread (a step, see steps.py). ``resolve``: wait for an async
-        output here; False leaves it to whoever asks for it (deferred.py)."""
-        from vllm.v1.serial_utils import run_method
-
-        out = run_method(self.worker, method, args, kwargs or {})
-        return resolve_output(out) if resolve else out
 
     def abandon(self, error: BaseException) -> bool:
         """Fail the call waiting on the driver's thread and every later one with ``error``."""

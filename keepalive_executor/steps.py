@@ -1,52 +1,91 @@
-"""One step on the channel: broadcast a call, run it on rank 0, gather replies if wanted.
+"""One engine call, one :class:`Step`: built by the executor, run by :meth:`StepRunner.submit`.
 
-A *step* is every engine call that puts work on the channel. :class:`StepRunner` is the one
-place that knows what a step holds and in which order; one step's life reads top-down in
-:meth:`StepRunner.call` (and :meth:`StepRunner.call_output` for a pipeline step)::
+Every engine call that puts work on the channel (``execute_model``, ``sample_tokens``,
+``collective_rpc``, ...) is one :class:`Step` value: the request the other ranks run, what
+rank 0 runs, and the **reply policy** (:class:`~keepalive_executor.rpc.Replies`), which says
+what rank 0 waits for and what the others send back:
+
+==========  ================================  ==========================================
+policy      rank 0 waits for                  every other rank sends
+==========  ================================  ==========================================
+DRIVER      nothing: its own output is the    nothing (an error is fatal on that rank)
+            step's output
+ALL         the reply gather (CPU group)      its reply, or its error
+STEP        the reply gather, then merges     its KV/EC connector outputs (connectors.py)
+            the connector outputs
+OUTPUT      the output rank's reply, later,   the output rank: its output on the output
+            on the output link (outputs.py)   link; the others nothing
+==========  ================================  ==========================================
+
+(The other ranks' halves live in :mod:`keepalive_executor.worker_loop`.)
+
+:meth:`StepRunner.submit` is the only way in, and its answer is always a Future, as mp's
+``FutureWrapper`` is for mp: done at once for DRIVER, ALL and STEP; resolved by the output
+link's thread for OUTPUT; resolved when first asked for if it is an async output
+(:mod:`keepalive_executor.deferred`); and the sampled half of a fused step is a Future too,
+waiting for the engine's ``sample_tokens``. ``submit`` returns once rank 0's part is done.
+
+One step's life, top-down (:meth:`StepRunner.submit`)::
 
     engine thread (or a user's thread)         driver thread (keepalive-driver)
     ----------------------------------         --------------------------------
     encode the call (nothing held yet)
     take the channel owner lock
-    enter the lifecycle step (refused once failed)
-    take the pacer's step token
-    hand the step to the driver thread  ---->  broadcast            (step.sent)
-    wait for its outcome (a Future that        rank 0's own part
-    a give-up can fail at any time)            reply gather, if any (step.settled)
+    enter the lifecycle (refused once failed)
+    take the pacer's busy token
+    hand the step to the driver thread  ---->  QUEUED -> BEGUN
+    wait for its outcome (a Future that        broadcast                      -> SENT
+    a give-up can fail at any time)            rank 0's own part
+                                               what the reply policy waits for -> SETTLED
     <------------------------------------------ outcome
     release token, lifecycle, lock (reverse order, by context managers)
+    the step's answer, as a Future
 
-1. the **channel owner lock** (a re-entrant lock: whoever holds it owns the channel for a
-   whole step, so a ``collective_rpc`` from another thread never lands inside a step);
+1. the **channel owner lock** (re-entrant: whoever holds it owns the channel for a whole
+   step, so a ``collective_rpc`` from another thread never lands inside a step);
 2. the **lifecycle** entry (:class:`~keepalive_executor.lifecycle.Lifecycle`: refused once
    failed; records which step rank 0 is inside, with its deadline);
-3. the **pacer's step token** (no keepalive while it is held);
-4. the broadcast, rank 0's own part and the reply gather all run on the driver's thread, in one
+3. the **pacer's busy token** (no keepalive while it is held; an OUTPUT step keeps it until
+   its output arrived);
+4. the broadcast, rank 0's own part and the reply wait all run on the driver's thread, in one
    hand-over. The calling thread only ever waits on that hand-over's Future, so when the step
    is given up (a rank failed and the step cannot finish, see
    :mod:`keepalive_executor.lifecycle`), the caller is released at once, wherever rank 0 is
    blocked: in its model, in the reply gather, or in the channel's wait for a free frame.
 
+Its states (:class:`StepState`)::
+
+    QUEUED --(rank 0's thread takes it)--> BEGUN --(broadcast)--> SENT --(replies)--> SETTLED
+      |                                      |
+      | the caller left first                | ended before its broadcast
+      v                                      v
+    CANCELLED (never runs)                 UNSENT (nothing was sent)
+
+If the caller leaves with an exception, the ranks may be out of step in BEGUN (rank 0's
+thread may broadcast any moment) and SENT (the others run the step, rank 0 did not finish it):
+the executor then fails. QUEUED becomes CANCELLED; UNSENT and SETTLED leave the ranks in step.
+
 The fused step. When a batch has no structured-output request vLLM's grammar output is
 ``None`` by construction (``Scheduler.get_grammar_bitmask``), so every rank runs
 ``sample_tokens(None)`` right after ``execute_model``: the step costs one broadcast, and rank
 0's driver thread samples straight after its forward pass, in the same hand-over, so nothing
-can be broadcast between the two. When the hand-over returns, every rank has finished the
-whole step: the step ends there, and the sampled output waits on the side for the engine's
-``sample_tokens``. Nothing is held across the engine's two calls, so an engine that never
-calls ``sample_tokens`` (an exception between the two, which vLLM's fault-tolerant engine may
-survive) leaves the ranks in step and the executor usable: the next step discards the
-unclaimed output, with a warning.
+can be broadcast between the two. The sampled half waits, as a Future, for the engine's
+``sample_tokens`` (a sample step submitted while it waits takes it, nothing is broadcast);
+without a pipeline that Future is done when the step ends, under a pipeline it resolves with
+the output rank's reply. Nothing is held across the engine's two calls, so an engine that
+never calls ``sample_tokens`` (an exception between the two, which vLLM's fault-tolerant
+engine may survive) leaves the ranks in step and the executor usable: the next model step
+discards the unclaimed half (with a warning if it held an output).
 
 Async scheduling. A model step's output may still be on its way to the host when rank 0's
-part returns; the step ends there, and the engine's future resolves the output later
-(:mod:`keepalive_executor.deferred`) in a *local step* (:meth:`StepRunner.run_local`): the
+part returns; the step ends there, and the Future resolves the output when first asked
+(:mod:`keepalive_executor.deferred`), in a *local step* (:meth:`StepRunner.run_local`): the
 owner lock and a lifecycle entry (the step timeout, the give-up), rank 0's thread, no
 broadcast and so no pacer token.
 
 Failure rules. A call that cannot be encoded or is too large fails before anything is sent:
 the caller gets the error and the executor stays usable. Once the broadcast is out, the other
-ranks are running the step; until every rank is known to be done with it (``settled``), any
+ranks are running the step; until every rank is known to be done with it (SETTLED), any
 exception that leaves the step, ``BaseException`` included (a ``KeyboardInterrupt`` in the
 user's process), fails the executor naming the call and the error: the ranks may be out of
 step, and the next collective would pair with this one's. In detail:
@@ -63,17 +102,23 @@ step, and the next collective would pair with this one's. In detail:
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+from vllm.v1.outputs import AsyncModelRunnerOutput
+from vllm.v1.serial_utils import run_method
 
 from keepalive_executor.channel import ChannelError, PayloadTooLargeError
 from keepalive_executor.connectors import StepReply
+from keepalive_executor.deferred import DeferredOutputs
 from keepalive_executor.lifecycle import ExecutorFailedError, Lifecycle
 from keepalive_executor.log import get_logger
+from keepalive_executor.outputs import resolve_output, settle
 from keepalive_executor.pacer import Pacer, PacerError
 from keepalive_executor.rpc import (
     Replies,
@@ -83,7 +128,8 @@ from keepalive_executor.rpc import (
     encode_request,
 )
 
-__all__ = ["StepRunner", "execute_and_sample", "execute_then_sample", "EXECUTE_TIMEOUT_SOURCE"]
+__all__ = ["Step", "StepState", "StepRunner", "execute_and_sample", "execute_then_sample",
+           "EXECUTE_TIMEOUT_SOURCE"]
 
 logger = get_logger(__name__)
 EXECUTE_TIMEOUT_SOURCE = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
@@ -99,14 +145,82 @@ def execute_and_sample(worker: Any, scheduler_output: Any) -> Any:
 
 
 def execute_then_sample(worker: Any, scheduler_output: Any) -> tuple[Any, Any]:
-    """Rank 0's half of a fused step, on the driver's thread: ``(execute_model's output,
-    sample_tokens(None)'s output if execute_model returned None)``. Under async scheduling
-    an output may still be on its way to the host: whoever needs it resolves it
-    (deferred.py)."""
+    """Rank 0's half of a fused step, on the driver's thread (and the output rank's, under a
+    pipeline): ``(execute_model's output, sample_tokens(None)'s output if execute_model
+    returned None)``. Under async scheduling an output may still be on its way to the host:
+    whoever needs it resolves it (deferred.py)."""
     out = worker.execute_model(scheduler_output)
     if out is not None:
         return out, None
     return None, worker.sample_tokens(None)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine call on the channel: what every rank runs and the reply policy.
+
+    ``request`` is what travels (its ``replies`` is the policy); ``local`` what rank 0 runs
+    instead of ``request.method`` (a fused step's half that returns both outputs);
+    ``model``: a model step (the step timeout; it discards an unclaimed sampled half);
+    ``timeout_s``: a ``collective_rpc``'s own timeout; ``unique_reply_rank``: the one rank
+    whose reply a ``collective_rpc`` returns; ``merge(output, replies)``: a STEP policy's
+    merge of every rank's connector outputs into rank 0's output."""
+
+    name: str
+    request: RpcRequest
+    local: Callable[..., Any] | str | None = None
+    model: bool = False
+    timeout_s: float | None = None
+    unique_reply_rank: int | None = None
+    merge: Callable[[Any, list[Any]], Any] | None = None
+
+    @property
+    def reply(self) -> Replies:
+        """The reply policy (see the module docstring)."""
+        return self.request.replies
+
+    @property
+    def fused(self) -> bool:
+        """Whether rank 0's part returns ``(execute_model's output, the sampled one)``."""
+        return self.local is execute_then_sample
+
+    @classmethod
+    def rpc(cls, method: str | Callable[..., Any], args: tuple = (),
+            kwargs: dict | None = None, timeout: float | None = None,
+            unique_reply_rank: int | None = None) -> Step:
+        """A ``collective_rpc``: every rank's reply, gathered."""
+        req = RpcRequest(method, tuple(args), kwargs or {}, Replies.ALL)
+        return cls(req.name, req, timeout_s=timeout, unique_reply_rank=unique_reply_rank)
+
+    @classmethod
+    def model_call(cls, method: str, args: tuple, reply: Replies,
+                   merge: Callable[[Any, list[Any]], Any] | None = None) -> Step:
+        """A model step: ``reply`` is DRIVER, STEP (connectors, with its ``merge``) or
+        OUTPUT (pipeline)."""
+        return cls(method, RpcRequest(method, args, {}, reply), model=True, merge=merge)
+
+    @classmethod
+    def execute(cls, scheduler_output: Any, reply: Replies,
+                merge: Callable[[Any, list[Any]], Any] | None = None) -> Step:
+        """``execute_model``: fused with its sampling unless the batch has structured-output
+        requests (see the module docstring)."""
+        if getattr(scheduler_output, "has_structured_output_requests", True):
+            return cls.model_call("execute_model", (scheduler_output,), reply, merge)
+        # the output rank sends both halves; other ranks return one output
+        wire = execute_then_sample if reply is Replies.OUTPUT else execute_and_sample
+        return cls("execute_model", RpcRequest(wire, (scheduler_output,), {}, reply),
+                   local=execute_then_sample, model=True, merge=merge)
+
+
+class StepState(enum.Enum):
+    """Where one submitted step is (see the module docstring)."""
+
+    QUEUED = "queued"  # handed to rank 0's thread, not taken yet
+    CANCELLED = "cancelled"  # the caller left before rank 0's thread took it: never runs
+    BEGUN = "begun"  # rank 0's thread took it: it may broadcast any moment
+    UNSENT = "unsent"  # rank 0's thread ended it before the broadcast: nothing was sent
+    SENT = "sent"  # the broadcast is out: the other ranks run it
+    SETTLED = "settled"  # every rank is known to be done with it
 
 
 class Channel(Protocol):
@@ -118,13 +232,14 @@ class Channel(Protocol):
 class Driver(Protocol):
     """What a step needs of rank 0: a thread to hand work to, and the worker on it."""
 
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+    worker: Any
 
-    def invoke(self, method: Any, args: tuple = (), kwargs: dict | None = None, *,
-               resolve: bool = True) -> Any: ...
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
 
 
 Gather = Callable[[RpcReply, "float | None"], list[RpcReply]]
+#: ``expect(name)``: a Future of the output rank's reply to the step just broadcast
+Expect = Callable[[str], Future]
 
 
 class StepBroken(Exception):
@@ -137,51 +252,40 @@ class StepBroken(Exception):
         self.error = error
 
 
-@dataclass
-class _Step:
-    """One step's progress, as the failure rules read it. Written by the driver thread
-    (``started``..``finished``), read by the calling thread when it leaves the step."""
+class _Run:
+    """One submitted step's state and its pacer token. The state is written by the driver
+    thread and read by the calling thread when it leaves the step, under ``lock``."""
 
-    name: str
-    started: bool = False  # the driver thread began the step's work
-    sent: bool = False  # the broadcast is out: the other ranks run the step
-    settled: bool = False  # every rank is known to be done with it
-    finished: bool = False  # the driver thread is done with the step, either way
-    cancelled: bool = False  # the caller left before the work began: it never will
-    keep_pacer: bool = False  # the pacer token outlives the call (a pipeline step)
-    pacer_released: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    def __init__(self, step: Step) -> None:
+        self.step = step
+        self.state = StepState.QUEUED
+        self.lock = threading.Lock()
+        self.keep_pacer = False  # the token outlives the call (until an OUTPUT arrived)
+        self._pacer_released = False
 
-    def begin(self) -> bool:
-        """The driver thread's first act: False if the caller already left (do nothing)."""
+    def move(self, to: StepState, *, when: StepState | None = None) -> bool:
+        """Enter ``to`` (only from ``when``, if given); False if it was not in ``when``."""
         with self.lock:
-            if self.cancelled:
+            if when is not None and self.state is not when:
                 return False
-            self.started = True
+            self.state = to
             return True
 
     def may_be_out_of_step(self) -> bool:
-        """The caller leaves with an exception: can the ranks be out of step? Yes once the
-        broadcast is out and not settled, and while the driver thread is still inside the
-        step's work (it may broadcast any moment); a step whose work has not begun is
-        cancelled (it never will)."""
+        """The caller leaves with an exception: can the ranks be out of step? A step not
+        taken yet is cancelled (it never runs)."""
         with self.lock:
-            if self.settled:
-                return False
-            if self.sent:
-                return True
-            if self.finished or not self.started:
-                self.cancelled = True
-                return False
-            return True
+            if self.state is StepState.QUEUED:
+                self.state = StepState.CANCELLED
+            return self.state in (StepState.BEGUN, StepState.SENT)
 
     def release_pacer(self, pacer: Pacer) -> None:
         """End the step's pacer token, once (the caller and an output's arrival may race
         after a give-up)."""
         with self.lock:
-            if self.pacer_released:
+            if self._pacer_released:
                 return
-            self.pacer_released = True
+            self._pacer_released = True
         pacer.finish_step()
 
 
@@ -195,7 +299,10 @@ class _Outcome:
 
 
 class StepRunner:
-    """Runs steps on the channel for the executor (see the module docstring)."""
+    """Runs steps on the channel for the executor (see the module docstring).
+
+    ``expect``: the output receiver's (pipeline only); ``fail(reason)``: the executor's
+    failure."""
 
     def __init__(
         self,
@@ -208,7 +315,7 @@ class StepRunner:
         fail: Callable[[str], None],
         execute_timeout_s: float,
         error_window_s: float,
-        merge: Callable[[Any, list[Any]], Any] | None = None,
+        expect: Expect | None = None,
     ) -> None:
         self._channel = channel
         self._pacer = pacer
@@ -218,36 +325,60 @@ class StepRunner:
         self._fail = fail
         self._execute_timeout_s = execute_timeout_s
         self._error_window_s = error_window_s
-        self._merge = merge
+        self._expect = expect
         self.owner = threading.RLock()
-        self._unclaimed: tuple[str, Any] | None = None  # (step, sampled output) of a fused step
+        self.deferred = DeferredOutputs(self.run_local)
+        #: the sampled half of the last fused step, until sample_tokens takes it
+        self._sampled: Future | None = None
+
+    # ------------------------------------------------------------------ the way in
+    def submit(self, step: Step) -> Future:
+        """Run ``step``: broadcast, rank 0's part, what its reply policy waits for. Returns
+        its answer as a Future once rank 0's part is done (an Exception goes into the
+        Future; a ``BaseException`` such as ``KeyboardInterrupt`` propagates)."""
+        try:
+            if (self._sampled is not None and step.model
+                    and step.request.method == "sample_tokens"):
+                return self._take_sampled(step)
+            data = encode_request(step.request)  # before anything is held or sent
+            with self.owner, self._held(step) as run:
+                if step.model:  # the engine moved on; a user's collective_rpc leaves it
+                    self._drop_unclaimed(step.name)
+                outcome = self._driver.run(self._on_rank0, run, data)
+                if step.fused:
+                    outcome.value, self._sampled = self._halves(step, outcome)
+            return self._answer(step, outcome)
+        except Exception as e:  # noqa: BLE001 - delivered through the future
+            return _failed(e)
 
     # ------------------------------------------------------------------ what a step holds
     @contextmanager
-    def _step(self, name: str, timeout_s: float | None, source: str) -> Iterator[_Step]:
+    def _held(self, step: Step) -> Iterator[_Run]:
         """Lifecycle entry and pacer token for one step, and the out-of-step rule."""
-        self._life.enter(name, timeout_s, source)
-        step = _Step(name)
+        timeout_s, source = ((self._execute_timeout_s, EXECUTE_TIMEOUT_SOURCE) if step.model
+                             else (step.timeout_s, "the call's timeout"))
+        self._life.enter(step.name, timeout_s, source)
+        run = _Run(step)
         try:
             try:
                 self._pacer.begin_step()
             except PacerError as e:
-                err = ExecutorFailedError(f"keepalive executor cannot begin {name}: {e}")
+                err = ExecutorFailedError(f"keepalive executor cannot begin {step.name}: {e}")
                 raise (self._life.error() or err) from e
             try:
-                yield step
+                yield run
             except StepBroken as broken:
                 self._fail(broken.reason)
                 raise self._first_failure(broken)  # noqa: B904 - its cause is already set
             except BaseException as e:
-                if step.may_be_out_of_step():
+                if run.may_be_out_of_step():
                     what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-                    self._fail(f"{name} was interrupted on rank 0 by {what} after the other "
-                               "ranks had received it; the ranks are out of step")
+                    self._fail(f"{step.name} was interrupted on rank 0 by {what} after the "
+                               "other ranks had received it; the ranks are out of step")
                 raise
             finally:
-                if not step.keep_pacer:
-                    step.release_pacer(self._pacer)
+                if not run.keep_pacer:
+                    run.release_pacer(self._pacer)
         finally:
             self._life.exit()
 
@@ -265,32 +396,98 @@ class StepRunner:
         return _failed_error(why, cause)
 
     # ------------------------------------------------------------------ on the driver thread
-    def _send(self, step: _Step, data: bytes) -> None:
+    def _on_rank0(self, run: _Run, data: bytes) -> _Outcome:
+        """Everything rank 0 does in a step, on the driver's thread, in order."""
+        if not run.move(StepState.BEGUN, when=StepState.QUEUED):
+            return _Outcome()  # the caller was interrupted before this began: nothing sent
+        try:
+            self._send(run, data)
+            reply = run.step.reply
+            if reply is Replies.ALL:
+                outcome = self._rank0_then_gather(run)
+            elif reply is Replies.OUTPUT:
+                outcome = self._rank0_then_expect(run)
+            else:
+                outcome = _Outcome(self._rank0_part(run, resolve=reply is Replies.STEP))
+                if reply is Replies.STEP:
+                    outcome.replies = self._gather(run, RpcReply(rank=0, ok=True,
+                                                                 value=StepReply(False)), None)
+            run.move(StepState.SETTLED)
+            return outcome
+        finally:
+            run.move(StepState.UNSENT, when=StepState.BEGUN)
+
+    def _send(self, run: _Run, data: bytes) -> None:
         try:
             self._channel.send(data)
         except PayloadTooLargeError:
             raise  # nothing was sent: the caller's error, the channel is in sync
         except ChannelError as e:
-            reason = f"broadcast of {step.name} failed: {e}"
+            reason = f"broadcast of {run.step.name} failed: {e}"
             raise StepBroken(reason, _failed_error(reason, e)) from e
-        step.sent = True
+        run.move(StepState.SENT)
         self._pacer.note_broadcast()
 
-    def _rank0_part(self, step: _Step, method: Any, req: RpcRequest) -> Any:
+    def _invoke(self, run: _Run) -> Any:
+        step = run.step
+        method = step.request.method if step.local is None else step.local
+        return run_method(self._driver.worker, method, step.request.args, step.request.kwargs)
+
+    def _rank0_part(self, run: _Run, *, resolve: bool) -> Any:
+        """Rank 0's part of a step whose error is fatal. ``resolve``: wait for an async
+        output here (a connector's outputs are merged from resolved ones); otherwise whoever
+        asks resolves it (deferred.py)."""
         try:
-            # A connector's outputs are merged from resolved outputs; a model step's output
-            # is resolved when the engine asks for it (deferred.py); a pipeline stage's is
-            # not the step's output.
-            return self._driver.invoke(method, req.args, req.kwargs,
-                                       resolve=req.replies is Replies.STEP)
+            out = self._invoke(run)
+            return resolve_output(out) if resolve else out
         except ExecutorFailedError:
             raise
         except Exception as e:
             raise StepBroken(
-                f"{step.name} raised on rank 0 after the other ranks had received it "
+                f"{run.step.name} raised on rank 0 after the other ranks had received it "
                 f"({type(e).__name__}: {e}); the ranks are out of step", e) from e
 
-    def _gather(self, step: _Step, mine: RpcReply, timeout_s: float | None) -> list[RpcReply]:
+    def _rank0_then_expect(self, run: _Run) -> _Outcome:
+        """OUTPUT: the step's output is the output rank's, which arrives later."""
+        # Registered right after the broadcast, under the owner lock: outputs arrive in
+        # broadcast order. From here the output's arrival ends the pacer token.
+        assert self._expect is not None, "an OUTPUT step needs the output receiver"
+        future = self._expect(run.step.name)
+        run.keep_pacer = True
+        future.add_done_callback(lambda _: run.release_pacer(self._pacer))
+        self._rank0_part(run, resolve=False)  # stage 0's own result is not the step's
+        return _Outcome(future)
+
+    def _rank0_then_gather(self, run: _Run) -> _Outcome:
+        """ALL: rank 0's part (its error is the caller's), then every rank's reply."""
+        outcome = _Outcome()
+        try:
+            outcome.value = resolve_output(self._invoke(run))
+        except ExecutorFailedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - still owes the gather
+            outcome.error = e
+        mine = RpcReply(rank=0, ok=outcome.error is None, value=outcome.value,
+                        error="" if outcome.error is None
+                        else f"{type(outcome.error).__name__}: {outcome.error}")
+        if outcome.error is None:
+            outcome.replies = self._gather(run, mine, None)
+            return outcome
+        try:
+            outcome.replies = self._gather(run, mine, self._error_window_s)
+        except StepBroken:
+            raise
+        except Exception as e:
+            reason = (f"collective_rpc({run.step.name!r}) raised on rank 0 "
+                      f"({type(outcome.error).__name__}: {outcome.error}) and the other "
+                      f"ranks did not reply within {self._error_window_s:g}s "
+                      "(VLLM_KEEPALIVE_FAILURE_GRACE_S): they are still inside it, "
+                      "presumably in a collective rank 0 never entered; the ranks are "
+                      "out of step")
+            raise StepBroken(reason, outcome.error) from e
+        return outcome
+
+    def _gather(self, run: _Run, mine: RpcReply, timeout_s: float | None) -> list[RpcReply]:
         """The reply gather, within the step's deadline and ``timeout_s``."""
         clock = self._life.clock
         entered = self._life.step
@@ -306,185 +503,76 @@ class StepRunner:
                 if end == window_end:
                     raise  # the caller knows what this window was for
                 assert entered is not None
-                reason = (f"{step.name} timed out after {entered.timeout_s:g}s "
+                reason = (f"{run.step.name} timed out after {entered.timeout_s:g}s "
                           f"({entered.timeout_source}) waiting for the other ranks' replies")
                 error = TimeoutError(f"{reason}; the executor is now failed (ranks are out "
                                      "of step)")
                 error.__cause__ = e
                 raise StepBroken(reason, error) from e
-            reason = f"gathering replies to {step.name} failed: {e}"
+            reason = f"gathering replies to {run.step.name} failed: {e}"
             raise StepBroken(reason, _failed_error(reason, e)) from e
 
-    def _run_step(self, step: _Step, req: RpcRequest, data: bytes, method: Any,
-                  expect: Callable[[str], Future] | None = None) -> _Outcome:
-        """Everything rank 0 does in a step, on the driver's thread, in order."""
-        if not step.begin():
-            return _Outcome()  # the caller was interrupted before this began: nothing sent
-        try:
-            return self._run_begun_step(step, req, data, method, expect)
-        finally:
-            with step.lock:
-                step.finished = True
+    # ------------------------------------------------------------------ the answer
+    def _halves(self, step: Step, outcome: _Outcome) -> tuple[Any, Future | None]:
+        """A fused step's two outputs: execute_model's (a value, or a Future under OUTPUT)
+        and the sampled half's Future, if sample_tokens may want it."""
+        if step.reply is Replies.OUTPUT:
+            return _split_pair(outcome.value)
+        value, sampled = outcome.value
+        if value is not None:
+            return value, None
+        if step.reply is Replies.STEP:  # the other ranks reply about the step's last output
+            sampled = _merged(step, sampled, outcome.replies)
+            outcome.replies = None
+        return None, _done(sampled)
 
-    def _run_begun_step(self, step: _Step, req: RpcRequest, data: bytes, method: Any,
-                        expect: Callable[[str], Future] | None) -> _Outcome:
-        self._send(step, data)
-        if req.replies is Replies.ALL:
-            return self._rank0_with_replies(step, req, method)
-        outcome = _Outcome()
-        if expect is not None:
-            # Registered right after the broadcast, under the owner lock: outputs arrive in
-            # broadcast order. From here the output's arrival ends the pacer token.
-            outcome.value = future = expect(step.name)
-            step.keep_pacer = True
-            future.add_done_callback(lambda _: step.release_pacer(self._pacer))
-            self._rank0_part(step, method, req)  # stage 0's own result is not the step's
-        else:
-            outcome.value = self._rank0_part(step, method, req)
-        if req.replies is Replies.STEP:
-            outcome.replies = self._gather(step, RpcReply(rank=0, ok=True,
-                                                          value=StepReply(False)), None)
-        step.settled = True
-        return outcome
+    def _answer(self, step: Step, outcome: _Outcome) -> Future:
+        """The step's answer, as its reply policy makes it."""
+        reply, value = step.reply, outcome.value
+        if reply is Replies.ALL:
+            return _done(self._rpc_result(step, outcome))
+        if reply is Replies.OUTPUT:
+            return value if isinstance(value, Future) else _done(value)
+        if reply is Replies.STEP and outcome.replies is not None:
+            value = _merged(step, value, outcome.replies)
+        if isinstance(value, AsyncModelRunnerOutput):
+            return self.deferred.defer(step.name, value)
+        return _done(value)
 
-    def _rank0_with_replies(self, step: _Step, req: RpcRequest, method: Any) -> _Outcome:
-        outcome = _Outcome()
-        try:
-            outcome.value = self._driver.invoke(method, req.args, req.kwargs)
-        except ExecutorFailedError:
-            raise
-        except Exception as e:  # noqa: BLE001 - still owes the gather
-            outcome.error = e
-        mine = RpcReply(rank=0, ok=outcome.error is None, value=outcome.value,
-                        error="" if outcome.error is None
-                        else f"{type(outcome.error).__name__}: {outcome.error}")
-        if outcome.error is None:
-            outcome.replies = self._gather(step, mine, None)
-        else:
-            try:
-                outcome.replies = self._gather(step, mine, self._error_window_s)
-            except StepBroken:
-                raise
-            except Exception as e:
-                reason = (f"collective_rpc({step.name!r}) raised on rank 0 "
-                          f"({type(outcome.error).__name__}: {outcome.error}) and the other "
-                          f"ranks did not reply within {self._error_window_s:g}s "
-                          "(VLLM_KEEPALIVE_FAILURE_GRACE_S): they are still inside it, "
-                          "presumably in a collective rank 0 never entered; the ranks are "
-                          "out of step")
-                raise StepBroken(reason, outcome.error) from e
-        step.settled = True
-        return outcome
-
-    # ------------------------------------------------------------------ engine calls
-    def call(
-        self,
-        req: RpcRequest,
-        *,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
-        local_method: Any = None,
-        model_step: bool = False,
-        name: str | None = None,
-    ) -> Any:
-        """A blocking step (``name``: the engine call's, if not the request's).
-        ``Replies.DRIVER``: rank 0's result; ``Replies.STEP``: rank 0's result and every
-        rank's connector replies; ``Replies.ALL``: every rank's result in rank order (or
-        rank ``unique_reply_rank``'s alone)."""
-        outcome = self._call(req, timeout=timeout, local_method=local_method,
-                             model_step=model_step, name=name)
-        if req.replies is Replies.DRIVER:
-            return outcome.value
-        assert outcome.replies is not None
-        if req.replies is Replies.STEP:
-            return outcome.value, outcome.replies
+    def _rpc_result(self, step: Step, outcome: _Outcome) -> Any:
         if outcome.error is not None:
             raise outcome.error
+        assert outcome.replies is not None
         for r in outcome.replies[1:]:
             if not r.ok:
-                raise WorkerRpcError(req.name, r)
+                raise WorkerRpcError(step.request.name, r)
         values = [r.value for r in outcome.replies]
-        return values if unique_reply_rank is None else values[unique_reply_rank]
+        return values if step.unique_reply_rank is None else values[step.unique_reply_rank]
 
-    def _call(self, req: RpcRequest, *, timeout: float | None, local_method: Any,
-              model_step: bool, expect: Callable[[str], Future] | None = None,
-              name: str | None = None) -> _Outcome:
-        data = encode_request(req)  # before anything is held or sent
-        timeout_s, source = (
-            (self._execute_timeout_s, EXECUTE_TIMEOUT_SOURCE) if model_step
-            else (timeout, "the call's timeout")
-        )
-        method = local_method if local_method is not None else req.method
-        name = req.name if name is None else name
-        with self.owner, self._step(name, timeout_s, source) as step:
-            if model_step:  # the engine moved on; a user's collective_rpc leaves it
-                self._drop_unclaimed(name)
-            return self._driver.run(self._run_step, step, req, data, method, expect)
-
-    def execute_fused(self, scheduler_output: Any, replies: Replies = Replies.DRIVER) -> Any:
-        """``execute_model`` as a fused step (see the module docstring). Returns rank 0's
-        output; if that is None, the sampled output waits for :meth:`take_sampled`.
-        ``replies``: DRIVER, or STEP while a connector's outputs must be merged."""
-        req = RpcRequest(execute_and_sample, (scheduler_output,), {}, replies)
-        result = self.call(req, local_method=execute_then_sample, model_step=True,
-                           name="execute_model")
-        (value, sampled), step_replies = result if replies is Replies.STEP else (result, None)
-        if step_replies is not None:  # the other ranks reply about the step's last output
-            if value is None:
-                sampled = self._merged(sampled, step_replies)
-            else:
-                value = self._merged(value, step_replies)
-        if value is None:
-            self._unclaimed = ("execute_model", sampled)
-        return value
-
-    def model_step(self, req: RpcRequest) -> Any:
-        """A model step that is not fused (``Replies.DRIVER`` or ``Replies.STEP``)."""
-        result = self.call(req, model_step=True)
-        if req.replies is Replies.STEP:
-            value, step_replies = result
-            return self._merged(value, step_replies)
-        return result
-
-    def _merged(self, value: Any, replies: list[RpcReply]) -> Any:
-        assert self._merge is not None, "Replies.STEP needs a merge function"
-        return self._merge(value, [r.value for r in replies])
-
-    @property
-    def sample_pending(self) -> bool:
-        """Whether a fused step's sampled output awaits the engine's ``sample_tokens``."""
-        return self._unclaimed is not None
-
-    def take_sampled(self, grammar_output: Any) -> Any:
-        """The fused step's sampled output (rank 0 sampled right after its forward pass)."""
+    def _take_sampled(self, step: Step) -> Future:
+        """A sample step after a fused one: its sampled half, nothing broadcast."""
         self._life.check_usable()
-        unclaimed, self._unclaimed = self._unclaimed, None
-        if unclaimed is None:
-            raise RuntimeError("keepalive executor: no fused step awaits sample_tokens")
-        if grammar_output is not None:
+        sampled, self._sampled = self._sampled, None
+        assert sampled is not None
+        if step.request.args[0] is not None:
             self._fail("sample_tokens got a grammar output after a step without "
                        "structured-output requests; the other ranks sampled without it")
             self._life.check_usable()
-        return unclaimed[1]
+        if sampled.done() and isinstance(sampled.result(), AsyncModelRunnerOutput):
+            return self.deferred.defer(step.name, sampled.result())
+        return sampled
 
     def _drop_unclaimed(self, name: str) -> None:
-        if self._unclaimed is not None:
+        sampled, self._sampled = self._sampled, None
+        if (sampled is not None and sampled.done() and sampled.exception() is None
+                and sampled.result() is not None):
             logger.warning(
                 "keepalive executor: %s began while the output sampled by the last fused "
                 "execute_model was never taken by sample_tokens (the engine moved on, e.g. "
                 "after an error between the two calls); that output is discarded. Every "
                 "rank finished that step: the ranks are in step.", name)
-            self._unclaimed = None
 
-    def call_output(self, req: RpcRequest, expect: Callable[[str], Future],
-                    local_method: Any = None) -> Future:
-        """A pipeline step (``Replies.OUTPUT``): broadcast, run rank 0's stage, and return a
-        Future of the output rank's result, which arrives later (outputs.py). The step stays
-        on the pacer until then; rank 0's own result is not the step's."""
-        outcome = self._call(req, timeout=None, local_method=local_method, model_step=True,
-                             expect=expect)
-        return outcome.value
-
+    # ------------------------------------------------------------------ rank 0 alone
     def run_local(self, name: str, fn: Callable[[], Any]) -> Any:
         """Rank 0 alone, nothing broadcast: the wait for a deferred output (deferred.py).
         On the driver's thread like a step, and watched like one: the step timeout, and the
@@ -497,31 +585,41 @@ class StepRunner:
             finally:
                 self._life.exit()
 
-    def send_shutdown(self, channel_shutdown: Callable[[], Any], timeout_s: float) -> bool:
-        """Broadcast SHUTDOWN once no step holds the channel; bounded by ``timeout_s``."""
-        if not self.owner.acquire(timeout=timeout_s):
-            logger.warning("keepalive: a step still holds the channel; SHUTDOWN not sent")
-            return False
-        try:
-            outcome: list[BaseException | None] = []
 
-            def send() -> None:
-                try:
-                    channel_shutdown()
-                    outcome.append(None)
-                except BaseException as e:  # noqa: BLE001 - workers are then stopped by signal
-                    outcome.append(e)
+def _merged(step: Step, value: Any, replies: list[RpcReply] | None) -> Any:
+    assert step.merge is not None and replies is not None, "a STEP policy needs its merge"
+    return step.merge(value, [r.value for r in replies])
 
-            sender = threading.Thread(target=send, name="keepalive-send-shutdown", daemon=True)
-            sender.start()
-            sender.join(timeout_s)
-        finally:
-            self.owner.release()
-        if not outcome or outcome[0] is not None:
-            logger.warning("could not broadcast SHUTDOWN to the other ranks: %s",
-                           outcome[0] if outcome else f"still sending after {timeout_s:g}s")
-            return False
-        return True
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def _failed(error: BaseException) -> Future:
+    future: Future = Future()
+    future.set_exception(error)
+    return future
+
+
+def _split_pair(both: Future) -> tuple[Future, Future]:
+    """Two futures for the two halves of a future pair (or both failing with its error)."""
+    first: Future = Future()
+    second: Future = Future()
+
+    def on_done(f: Future) -> None:
+        error = f.exception()
+        if error is not None:
+            settle(first, error=error)
+            settle(second, error=error)
+        else:
+            a, b = f.result()
+            settle(first, value=a)
+            settle(second, value=b)
+
+    both.add_done_callback(on_done)
+    return first, second
 
 
 def _failed_error(reason: str, cause: BaseException) -> ExecutorFailedError:

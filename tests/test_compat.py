@@ -144,7 +144,7 @@ def _warm_up_executor(pp: int = 1):
     """An executor object with only what compile_or_warm_up_model touches."""
     ex = object.__new__(KeepaliveExecutor)
     ex._pp = pp > 1
-    ex._ranks = None  # no ranks to tell that start-up is over
+    ex._pieces = SimpleNamespace(ranks=None)  # no ranks to tell that start-up is over
     ex.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(
         compilation_time=0.0, encoder_compilation_time=0.0))
     ex.calls = []
@@ -183,11 +183,10 @@ def test_the_pipeline_buffer_fix_runs_only_where_the_release_needs_it():
 def test_the_failure_callback_is_readable_where_vllm_reads_it():
     """vLLM 0.34's fault-tolerance sentinel and CUDA checkpoint executor read and clear
     ``executor.failure_callback`` (mp's attribute)."""
-    from keepalive_executor.lifecycle import Lifecycle
+    from keepalive_executor.pieces import Pieces
 
     ex = object.__new__(KeepaliveExecutor)
-    ex._life = Lifecycle()
-    ex._failure_callback = None
+    ex._pieces = Pieces(parallel_config=None)
     assert ex.failure_callback is None
     calls = []
     ex.register_failure_callback(lambda: calls.append(1))
@@ -195,4 +194,4 @@ def test_the_failure_callback_is_readable_where_vllm_reads_it():
     ex.failure_callback()
     assert calls == [1]
     ex.failure_callback = None
-    assert ex._failure_callback is None
+    assert ex._pieces.failure_callback is None

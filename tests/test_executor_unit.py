@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -27,6 +28,7 @@ from keepalive_executor.config import KeepaliveSettings
 from keepalive_executor.driver import DriverRank
 from keepalive_executor.executor import KeepaliveExecutor
 from keepalive_executor.lifecycle import ExecutorFailedError, ExecutorState, WatchAction
+from keepalive_executor.pieces import Pieces
 from keepalive_executor.polled import PolledStep
 from keepalive_executor.rpc import RpcReply, WorkerRpcError, decode_request
 
@@ -228,11 +230,16 @@ class UnitExecutor(KeepaliveExecutor):
 
     def _init_executor(self) -> None:
         f = UnitExecutor.fakes
-        self._init_state(clock=f["clock"])
-        self._ranks = FakeRanks()
-        self._assemble(f["settings"], f["channel"], f["driver"], f["gather"], clock=f["clock"],
-                       threads=False)
-        self._abort_groups = f.get("abort")  # what a give-up runs on NCCL (nccl.py)
+        self._pp = f.get("outputs") is not None
+        self._merge_connectors = True
+        self._pieces = pieces = Pieces(self.parallel_config, clock=f["clock"],
+                                       polls=self._engine_polls_steps())
+        pieces.ranks = FakeRanks()
+        pieces.outputs = f.get("outputs")  # pipeline steps' outputs (outputs.py)
+        pieces.wire(f["settings"], f["channel"], f["driver"], f["gather"], clock=f["clock"],
+                    threads=False)
+        pieces.abort_groups = f.get("abort")  # what a give-up runs on NCCL (nccl.py)
+        self._finalizer = weakref.finalize(self, lambda: None)
 
 
 class PolledUnitExecutor(UnitExecutor):
@@ -241,7 +248,8 @@ class PolledUnitExecutor(UnitExecutor):
     poll_steps = True
 
 
-def make_executor(trace: Trace, clock: Clock, gather, abort=None, poll_steps: bool = False):
+def make_executor(trace: Trace, clock: Clock, gather, abort=None, poll_steps: bool = False,
+                  outputs=None):
     echo_rank.trace = trace
     cfg = SimpleNamespace(model_config=None, cache_config=None, lora_config=None,
                           load_config=None, parallel_config=SimpleNamespace(
@@ -251,7 +259,7 @@ def make_executor(trace: Trace, clock: Clock, gather, abort=None, poll_steps: bo
                           observability_config=None)
     channel, driver = FakeChannel(trace), make_driver(trace)
     UnitExecutor.fakes = dict(
-        clock=clock, channel=channel, driver=driver, gather=gather, abort=abort,
+        clock=clock, channel=channel, driver=driver, gather=gather, abort=abort, outputs=outputs,
         settings=KeepaliveSettings(channel=ChannelSpec(), interval_s=INTERVAL, timeout_s=10,
                                    interval_source="test", timeout_source="test",
                                    failure_grace_s=GRACE, execute_timeout_s=STEP_TIMEOUT),
@@ -300,7 +308,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.worker = self.driver.worker
         echo_rank.trace = self.trace
         self.pacer = self.ex._pacer
-        self.watch = self.ex._watch
+        self.watch = self.ex._pieces.watch
         self.pending: str | None = None  # the sampled output the engine has not taken
         self.model_failure: str | None = None  # expected substring of the failure reason
         self.broadcasts = 0
@@ -351,7 +359,7 @@ class ExecutorMachine(RuleBasedStateMachine):
 
     def _fail_from_monitor(self, reason: str) -> None:
         """A rank's death is reported by the executor's monitor thread, not the engine's."""
-        t = threading.Thread(target=self.ex._fail, args=(reason,))
+        t = threading.Thread(target=self.ex._pieces.fail, args=(reason,))
         t.start()
         t.join()
 
@@ -582,7 +590,7 @@ class ExecutorMachine(RuleBasedStateMachine):
             reason = "worker rank 1 (pid 1) died unexpectedly (exit code -9)"
             self._fail_from_monitor(reason)
             self._predict_failure(reason)
-            assert self.ex._life.failure.stuck.name == "echo_rank"
+            assert self.ex._pieces.life.failure.stuck.name == "echo_rank"
             self.clock.now += GRACE
             assert reason in str(self._given_up(t, outcome))
         finally:
@@ -605,7 +613,7 @@ class ExecutorMachine(RuleBasedStateMachine):
 
             def fail_now():
                 self._fail_from_monitor(reason)
-                seen["step"] = self.ex._life.failure.stuck
+                seen["step"] = self.ex._pieces.life.failure.stuck
                 self.dead_rank = 2
 
             self.worker.during_call.append(fail_now)
@@ -621,7 +629,7 @@ class ExecutorMachine(RuleBasedStateMachine):
             assert seen["step"] is not None and seen["step"].name == "echo_rank"
         else:
             self._fail_from_monitor(reason)
-            assert self.ex._life.failure.stuck is None  # no step was running
+            assert self.ex._pieces.life.failure.stuck is None  # no step was running
         self._predict_failure(reason)
 
     @rule()
@@ -674,10 +682,10 @@ class ExecutorMachine(RuleBasedStateMachine):
         assert ORDER[state] >= ORDER[self.states[-1]]
         self.states.append(state)
         if self.model_failure is None:
-            assert state is ExecutorState.RUNNING, self.ex._life.failure
+            assert state is ExecutorState.RUNNING, self.ex._pieces.life.failure
         else:
             assert state is ExecutorState.FAILED
-            assert self.model_failure in self.ex._life.failure.reason
+            assert self.model_failure in self.ex._pieces.life.failure.reason
 
     @invariant()
     def failure_callback_called_exactly_once_when_failed(self):
@@ -877,7 +885,7 @@ class AsyncExecutorMachine(ExecutorMachine):
             reason = "worker rank 1 (pid 1) died unexpectedly (exit code -9)"
             self._fail_from_monitor(reason)
             self._predict_failure(reason)
-            assert "output" in self.ex._life.failure.stuck.name
+            assert "output" in self.ex._pieces.life.failure.stuck.name
             self.clock.now += GRACE
             assert reason in str(self._given_up(t, outcome))
         finally:
@@ -950,6 +958,23 @@ def test_keepalives_are_sent_while_idle_between_steps():
     ex.shutdown()
 
 
+def test_a_users_collective_rpc_of_sample_tokens_leaves_a_fused_steps_sampled_half():
+    """Only the engine's sample_tokens takes what a fused step sampled: a collective_rpc of
+    the same method name is a call of its own (broadcast, every rank's reply), and the
+    engine's sample_tokens afterwards still gets the fused step's output."""
+    trace, clock = Trace(), Clock()
+    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD)
+    trace.step_id = 1
+    assert ex.execute_model(so()) is None
+    trace.step_id = 2
+    before = trace.broadcasts()
+    assert ex.collective_rpc("sample_tokens", args=(None,)) == ["sampled-2"] * WORLD
+    assert trace.broadcasts() == before + 1
+    assert ex.sample_tokens(None) == "sampled-1"
+    assert trace.broadcasts() == before + 1
+    ex.shutdown()
+
+
 def test_ctrl_c_while_rank0_is_stuck_fails_the_executor_and_shutdown_stays_bounded():
     """A real SIGINT in the calling (main) thread while rank 0's thread is blocked inside a
     collective_rpc: the call raises KeyboardInterrupt, the executor fails naming it (the
@@ -988,7 +1013,7 @@ def test_ctrl_c_while_rank0_is_stuck_fails_the_executor_and_shutdown_stays_bound
         presser.join(10)
         assert ex.state is ExecutorState.FAILED
         assert "echo_rank was interrupted on rank 0 by KeyboardInterrupt" in \
-            ex._life.failure.reason
+            ex._pieces.life.failure.reason
         began = time.monotonic()
         with pytest.raises(ExecutorFailedError, match="KeyboardInterrupt"):
             ex.collective_rpc(echo_rank)
@@ -1033,8 +1058,8 @@ class FakeOutputs:
 
 def test_pipeline_steps_overlap_resolve_in_order_and_hold_the_pacer_until_their_output():
     trace, clock = Trace(), Clock()
-    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD)
-    ex._pp, ex._outputs = True, FakeOutputs()
+    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD,
+                                        outputs=FakeOutputs())
     pacer = ex._pacer
     # batch A: fused execute_model returns at once with a pending future; so does sample
     exec_a = ex.execute_model(so(), non_block=True)
@@ -1061,7 +1086,7 @@ def test_pipeline_steps_overlap_resolve_in_order_and_hold_the_pacer_until_their_
     # a rank is lost with a step in flight: its futures fail, the pacer is released
     exec_c = ex.execute_model(so(), non_block=True)
     sample_c = ex.sample_tokens(None, non_block=True)
-    threading.Thread(target=ex._fail, args=("worker rank 1 died",)).start()
+    threading.Thread(target=ex._pieces.fail, args=("worker rank 1 died",)).start()
     with pytest.raises(ExecutorFailedError, match="worker rank 1 died"):
         sample_c.result(timeout=10)
     assert exec_c.exception(timeout=10) is not None and pacer.in_flight == 0
@@ -1073,8 +1098,8 @@ def test_pipeline_keeps_p_plus_one_batches_in_flight_as_async_scheduling_asks():
     under PP (VllmConfig.max_concurrent_batches): three at PP=2, each broadcast at once,
     each holding the pacer until its output arrived, resolved in step order."""
     trace, clock = Trace(), Clock()
-    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD)
-    ex._pp, ex._outputs = True, FakeOutputs()
+    ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD,
+                                        outputs=FakeOutputs())
     pacer = ex._pacer
     samples = []
     for _ in range(3):
