@@ -51,32 +51,11 @@ import psutil  # noqa: E402
 from bench_serve import cpu_model, tiny_model, vllm_cmd  # noqa: E402
 from servers import Server, env  # noqa: E402
 from step_timer import read_totals  # noqa: E402
+from wakeups import python_thread_names, snapshot  # noqa: E402
 
 TICK_S = 0.1
 SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "32",
                "--worker-extension-cls", "step_timer.StepTimer"]
-
-
-def thread_cpu(pids: list[int]) -> dict[tuple[int, int], tuple[str, float, int]]:
-    """(pid, tid) -> (process name, CPU seconds, minor page faults) for every thread of
-    ``pids``."""
-    out: dict[tuple[int, int], tuple[str, float, int]] = {}
-    hz = os.sysconf("SC_CLK_TCK")
-    for pid in pids:
-        try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            out[(pid, int(tid))] = (name, (int(fields[11]) + int(fields[12])) / hz,
-                                    int(fields[7]))
-    return out
 
 
 def tree(pid: int) -> list[int]:
@@ -107,7 +86,7 @@ class Sampler(threading.Thread):
             pids = tree(self.server_pid) + client
             totals = read_totals(self.timer_dir)
             now = time.monotonic()
-            self.samples.append((now, totals, thread_cpu(pids)))
+            self.samples.append((now, totals, snapshot(pids)))
             if self.first_step_at is None and len(self.samples) > 1:
                 if steps(self.samples[-1][1]) > steps(self.samples[0][1]):
                     self.first_step_at = now
@@ -124,14 +103,6 @@ def busy_window(samples: list) -> tuple[int, int]:
     if not changed:
         raise RuntimeError("no step ran while the client ran")
     return changed[0] - 1, changed[-1]
-
-
-def py_spy_threads(py_spy: str, pid: int) -> dict[int, str]:
-    """tid -> Python thread name, from one non-blocking ``py-spy dump``."""
-    out = subprocess.run([py_spy, "dump", "--nonblocking", "--pid", str(pid)],
-                         capture_output=True, text=True, timeout=60).stdout
-    return {int(m.group(1), 0): m.group(2)
-            for m in re.finditer(r'^Thread (\S+) \([^)]*\): "([^"]*)"', out, re.M)}
 
 
 def gil_shares(raw: str) -> dict[str, float]:
@@ -196,17 +167,17 @@ def profile_one(backend: str, rnd: int, model: str, args: argparse.Namespace,
             n = psutil.Process(p).name()
             if "Worker" in n or "Keepalive" in n:
                 roles[p] = f"worker {n.split('_')[-1]}"
-        names = py_spy_threads(args.py_spy, engine) if args.py_spy else {}
+        names = python_thread_names(engine, Path(args.py_spy)) if args.py_spy else {}
         sampler = Sampler(srv.proc.pid, timer_dir)
         sampler.start()
         spy_out = out_dir / f"{backend}-{rnd}-gil.txt"
         spy: subprocess.Popen | None = None
         spies: list[subprocess.Popen] = []
         result_dir = tempfile.mkdtemp()
+        box: list[dict] = []
         client = threading.Thread(target=lambda: box.append(run_client(
             srv, model, args, args.num_prompts, out_dir / f"{backend}-{rnd}-client.log",
             result_dir, sampler)))
-        box: list[dict] = []
         client.start()
         while client.is_alive():
             if args.py_spy and spy is None and sampler.first_step_at is not None \
@@ -244,18 +215,19 @@ def profile_one(backend: str, rnd: int, model: str, args: argparse.Namespace,
         ranks[r] = {k: (tot1[r][k][0] - tot0.get(r, {}).get(k, (0.0, 0))[0]) for k in tot1[r]}
     cpu: dict[str, float] = collections.defaultdict(float)
     faults: dict[str, int] = collections.defaultdict(int)
-    for key, (name, sec, minflt) in cpu1.items():
-        before = cpu0.get(key, (name, 0.0, 0))[1]
-        faults_before = cpu0.get(key, (name, 0.0, 0))[2]
+    zero = {"cpu_s": 0.0, "minflt": 0}
+    for key, counters in cpu1.items():
+        before = cpu0.get(key, zero)
         pid, tid = key
+        name = cpu1.get((pid, pid), counters)["comm"]  # the process's: its main thread's
         if pid in sampler.client_pids:
             who = "client (vllm bench serve)"
         elif pid in roles:
             who = label(pid, tid, name, roles, names)
         else:
             who = f"server: {name}"
-        cpu[who] += sec - before
-        faults[who] += minflt - faults_before
+        cpu[who] += counters["cpu_s"] - before["cpu_s"]
+        faults[who] += counters["minflt"] - before["minflt"]
     gil = gil_shares(spy_out.read_text()) if args.py_spy and spy_out.exists() else {}
     kinds = step_kinds(timer_dir, t0, t1, args.max_concurrency)
     return {"backend": backend, "round": rnd, "window": [t0, t1], "kinds": kinds,

@@ -37,7 +37,8 @@ TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
 def thread_counters(pid: int) -> dict[int, dict]:
-    """Per thread of PID: kernel name, voluntary/involuntary switches, CPU seconds."""
+    """Per thread of PID: kernel name, voluntary/involuntary switches, CPU seconds, minor
+    page faults."""
     out: dict[int, dict] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -57,13 +58,15 @@ def thread_counters(pid: int) -> dict[int, dict]:
         out[tid] = {"comm": comm,
                     "voluntary": int(status["voluntary_ctxt_switches"]),
                     "involuntary": int(status["nonvoluntary_ctxt_switches"]),
-                    "cpu_s": (int(fields[11]) + int(fields[12])) * TICK_S}
+                    "cpu_s": (int(fields[11]) + int(fields[12])) * TICK_S,
+                    "minflt": int(fields[7])}
     return out
 
 
-def python_thread_names(pid: int) -> dict[int, str]:
-    """tid -> Python thread name, from ``py-spy dump`` (empty if py-spy is not there)."""
-    spy = Path(sys.executable).with_name("py-spy")
+def python_thread_names(pid: int, spy: Path | None = None) -> dict[int, str]:
+    """tid -> Python thread name, from ``py-spy dump`` (``spy``: its path; default: beside
+    this Python; empty if py-spy is not there)."""
+    spy = spy or Path(sys.executable).with_name("py-spy")
     if not spy.exists():
         return {}
     try:
