@@ -2,8 +2,9 @@
 # Run the checks: set-up (idempotent), ruff, then the whole test suite in two phases:
 #   1. every test not marked `serial`, two at a time (pytest-xdist): they compare outputs and
 #      start their ranks with long collective timeouts, so a busy machine only slows them;
-#   2. the `serial` tests (time bounds, short collective timeouts) one after the other, with
-#      nothing else running.
+#   2. the `serial` tests (time bounds, short collective timeouts) with nothing else running:
+#      first those also marked `timers` (bounds on threads that mostly sleep) four at a time,
+#      then the others one after the other.
 # Extra arguments go to one plain pytest run instead, e.g. `bash scripts/test.sh -m "not slow"`
 # or `bash scripts/test.sh tests/test_pacer.py`.
 # `bash scripts/test.sh --fast`: the everyday tier, the same two phases over the tests marked
@@ -37,7 +38,11 @@ fi
 start=$(date +%s)
 "${pytest[@]}" -n 2 --dist loadgroup -m "${only}not serial" tests || status=$?
 phase1=$(date +%s)
-"${pytest[@]}" -m "${only}serial" tests || status=$?
+# (only the files that hold such tests: each of the four workers would otherwise import
+# every test module, vLLM included, to collect them)
+mapfile -t timer_files < <(grep -l "pytest.mark.timers" tests/test_*.py)
+"${pytest[@]}" -n 4 -m "${only}serial and timers" "${timer_files[@]}" || status=$?
+"${pytest[@]}" -m "${only}serial and not timers" tests || status=$?
 end=$(date +%s)
 echo "test.sh: phase 1 (two at a time) $((phase1 - start)) s, phase 2 (serial)" \
      "$((end - phase1)) s, in all $((end - start)) s; exit status $status"
