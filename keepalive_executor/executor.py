@@ -14,7 +14,6 @@ engine's calls, a few lines each.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -27,14 +26,12 @@ from keepalive_executor.config import async_scheduling_opt_in
 from keepalive_executor.connectors import merge as merge_connector_outputs
 from keepalive_executor.lifecycle import ExecutorFailedError, ExecutorState
 from keepalive_executor.pieces import Pieces, validate
+from keepalive_executor.protections import Protections
 from keepalive_executor.rpc import Replies
 from keepalive_executor.steps import Step
 
 __all__ = ["KeepaliveExecutor", "ExecutorFailedError"]
 
-#: Test-only: pass on rank 0's KV connector output alone (what the executor did before), so a
-#: test can show what merging every rank's output changes. Not an option.
-_TEST_NO_CONNECTOR_MERGE_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_CONNECTOR_MERGE"
 
 
 class KeepaliveExecutor(Executor):
@@ -45,12 +42,16 @@ class KeepaliveExecutor(Executor):
     #: Whether the engine polls model steps while they run (polled.py); None: as the
     #: installed vLLM release's engine does (compat.py). Tests set it on a subclass.
     poll_steps: bool | None = None
+    #: What the executor does so that a scenario does not fail, all on; a test's negative
+    #: control is a subclass with one off (protections.py, tests/controls.py).
+    protections: Protections = Protections()
     validate = staticmethod(validate)
 
     def _init_executor(self) -> None:
         self._pp = self.parallel_config.pipeline_parallel_size > 1
-        self._merge_connectors = os.environ.get(_TEST_NO_CONNECTOR_MERGE_ENV) != "1"
-        self._pieces = pieces = Pieces(self.parallel_config, polls=self._engine_polls_steps())
+        self._merge_connectors = self.protections.connector_merge
+        self._pieces = pieces = Pieces(self.parallel_config, polls=self._engine_polls_steps(),
+                                       protections=self.protections)
         self._finalizer = weakref.finalize(self, pieces.kill)
         pieces.start(self.vllm_config)
 

@@ -41,10 +41,6 @@ __all__ = [
 ]
 
 logger = get_logger(__name__)
-#: Test-only: rank 0 joins the rendezvous without waiting for ALIVE (what the executor did
-#: before the handshake), so a test can show that a worker slower to start than the collective
-#: timeout then fails start-up. Not an option; it logs a warning whenever it is honoured.
-_TEST_NO_ALIVE_WAIT_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_ALIVE_WAIT"
 #: After SHUTDOWN (or after a failure, with the death pipes closed), how long workers get to
 #: exit before SIGTERM, then SIGKILL (vLLM's VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS default).
 SHUTDOWN_GRACE_S = 5.0
@@ -243,7 +239,9 @@ def stop_workers(workers: list[WorkerHandle], grace_s: float, *, close_first: bo
 class SpawnedRanks:
     """Ranks 1..N-1 as worker processes of this engine process (one node; see ranks.py)."""
 
-    def __init__(self, vllm_config: Any) -> None:
+    def __init__(self, vllm_config: Any, *, alive_wait: bool = True) -> None:
+        """``alive_wait`` False (Protections.alive_wait, a negative control only): rank 0
+        joins the rendezvous without waiting for ALIVE, as before the handshake."""
         from vllm.utils.network_utils import get_file_store_init_method
         from vllm.utils.system_utils import get_mp_context
 
@@ -256,7 +254,8 @@ class SpawnedRanks:
         self.shared_worker_lock = get_mp_context().Lock()
         self.workers: list[WorkerHandle] = []
         self._timeout_s = 0.0
-        self._alive_unread = False  # test-only: ALIVE still in the pipes at wait_ready
+        self._alive_wait = alive_wait
+        self._alive_unread = False  # ALIVE still in the pipes at wait_ready (no alive wait)
         self._world_size = vllm_config.parallel_config.world_size
         self._monitor: WorkerMonitor | None = None
 
@@ -273,8 +272,7 @@ class SpawnedRanks:
         for rank in range(1, self._world_size):
             self.workers.append(spawn_worker(vllm_config, rank, common,
                                              local_rank=self.local_rank + rank))
-        if os.environ.get(_TEST_NO_ALIVE_WAIT_ENV) == "1":
-            logger.warning("TEST ONLY: rank 0 joins the rendezvous without waiting for ALIVE")
+        if not self._alive_wait:
             self._alive_unread = True
             return
         wait_for_ready(self.workers, self._timeout_s, status="ALIVE")

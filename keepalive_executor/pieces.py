@@ -64,6 +64,7 @@ from keepalive_executor.log import get_logger
 from keepalive_executor.outputs import OutputReceiver, open_output_link, output_rank
 from keepalive_executor.pacer import Pacer
 from keepalive_executor.polled import StepCaller
+from keepalive_executor.protections import Protections
 from keepalive_executor.ranks import Ranks, make_ranks
 from keepalive_executor.rpc import RpcReply, gather_replies
 from keepalive_executor.steps import Step, StepRunner
@@ -72,16 +73,6 @@ __all__ = ["Pieces", "validate"]
 
 logger = get_logger(__name__)
 
-#: Test-only: start without the pacer so tests can show that idle receivers then die.
-#: Deliberately not a documented option; it logs a warning whenever it is honoured.
-_TEST_DISABLE_PACER_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER"
-#: Test-only: watch the ranks only once start-up is done (what the executor did before), so
-#: a test can show that a rank dying inside the rendezvous then fails start-up only at its
-#: timeout. Not an option.
-_TEST_LATE_WORKER_WATCH_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_LATE_WORKER_WATCH"
-#: Test-only: shut down without receiving the pipeline outputs still in flight (the old
-#: order), so a test can show the output rank then blocks in its send. Not an option.
-_TEST_NO_SHUTDOWN_DRAIN_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_SHUTDOWN_DRAIN"
 #: How long shutdown waits for the channel (a step finishing, the SHUTDOWN broadcast), and
 #: for each of rank 0's own clean-up calls.
 SHUTDOWN_SEND_S = 5.0
@@ -131,8 +122,10 @@ class Pieces:
     engine's non-blocking model steps to a thread of their own (polled.py)."""
 
     def __init__(self, parallel_config: Any, *, clock: Callable[[], float] = time.monotonic,
-                 polls: bool = False) -> None:
+                 polls: bool = False, protections: Protections = Protections()) -> None:
         self.life = Lifecycle(clock)
+        #: all on but in a negative control's executor (protections.py)
+        self.protections = protections
         self.failure_callback: Callable[[], None] | None = None
         self.parallel_config = parallel_config
         self.polls = polls
@@ -154,10 +147,13 @@ class Pieces:
     def start(self, vllm_config: Any) -> None:
         """Validate, bring every rank up, wire the pieces, load the model. On any error:
         tell the other ranks, shut down, raise."""
-        ranks = self.ranks = make_ranks(vllm_config)
+        ranks = self.ranks = make_ranks(vllm_config, self.protections)
         try:
             settings = self.settings = validate(vllm_config)
             logger.info("%s", settings.describe())
+            for name in self.protections.off():
+                logger.warning("keepalive: protection %r is OFF (a negative control's "
+                               "executor; see protections.py)", name)
             self._start(vllm_config, ranks, settings)
         except BaseException as e:
             ranks.tell_error(f"rank 0's executor failed to start: {type(e).__name__}: {e}")
@@ -174,10 +170,8 @@ class Pieces:
             nccl.apply_error_handling("nccl")
             self.abort_groups = nccl.abort_groups
         ranks.start(vllm_config, settings)
-        late_watch = os.environ.get(_TEST_LATE_WORKER_WATCH_ENV) == "1"
-        if late_watch:
-            logger.warning("TEST ONLY: ranks watched only after start-up")
-        else:
+        late_watch = not self.protections.early_worker_watch
+        if not late_watch:
             ranks.watch(self.fail)
         # Start-up is a step of its own for the failure model: a rank lost while rank 0 waits
         # in the rendezvous fails it within the failure grace (the watch gives the wait up),
@@ -240,9 +234,7 @@ class Pieces:
             return
         if self.outputs is not None:
             self.outputs.start()
-        if os.environ.get(_TEST_DISABLE_PACER_ENV) == "1":
-            logger.warning("TEST ONLY: keepalive pacer disabled; idle workers will time out")
-        else:
+        if self.protections.keepalives:
             self.pacer.start()
 
     # ------------------------------------------------------------------ failure
@@ -383,9 +375,9 @@ class Pieces:
         (then SIGTERM, SIGKILL). The pacer is already stopped: the in-flight steps keep it
         from sending anyway, and none can race SHUTDOWN."""
         assert self.outputs is not None
-        if os.environ.get(_TEST_NO_SHUTDOWN_DRAIN_ENV) == "1":
-            logger.warning("TEST ONLY: shutdown does not drain the pipeline's outputs")
-        elif not self.outputs.drain(SHUTDOWN_SEND_S):
+        if not self.protections.shutdown_drain:
+            return
+        if not self.outputs.drain(SHUTDOWN_SEND_S):
             logger.warning(
                 "keepalive: %d pipeline output(s) did not arrive within %gs of shutdown; "
                 "rank %d may stay blocked in its send and be stopped by signal",

@@ -25,6 +25,26 @@ def is_registered() -> bool:
     return getattr(Executor.get_class, _MARK, False)
 
 
+def keepalive_class(backend: Any) -> type | None:
+    """The executor class ``backend`` names if it is the keepalive executor: ``keepalive``,
+    or a subclass of it, as a class or by qualified name (vLLM resolves such a name itself:
+    a test's negative control is one, tests/controls.py); otherwise None."""
+    from keepalive_executor.executor import KeepaliveExecutor
+
+    if backend == BACKEND_NAME:
+        return KeepaliveExecutor
+    if isinstance(backend, str) and "." in backend:
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        try:
+            backend = resolve_obj_by_qualname(backend)
+        except (ImportError, AttributeError, ValueError):
+            return None  # not ours; vLLM says what is wrong with it
+    if isinstance(backend, type) and issubclass(backend, KeepaliveExecutor):
+        return backend
+    return None
+
+
 def register() -> None:
     """Entry point of the ``keepalive`` plugin; safe to call any number of times."""
     from vllm.v1.executor.abstract import Executor
@@ -37,7 +57,8 @@ def register() -> None:
         backend = vllm_config.parallel_config.distributed_executor_backend
         from keepalive_executor.torchrun import in_torchrun_mode
 
-        if in_torchrun_mode() and backend != BACKEND_NAME:
+        executor_class = keepalive_class(backend)
+        if in_torchrun_mode() and executor_class is None:
             from keepalive_executor.config import KeepaliveConfigError
 
             raise KeepaliveConfigError(
@@ -45,11 +66,9 @@ def register() -> None:
                 "keepalive_executor serve`: the ranks are torchrun's processes, which only "
                 "the keepalive executor can drive; remove the setting"
             )
-        if backend == BACKEND_NAME:
-            from keepalive_executor.executor import KeepaliveExecutor
-
-            KeepaliveExecutor.validate(vllm_config)
-            return KeepaliveExecutor
+        if executor_class is not None:
+            executor_class.validate(vllm_config)
+            return executor_class
         return vllm_get_class(vllm_config)
 
     get_class.__doc__ = vllm_get_class.__doc__
@@ -61,21 +80,21 @@ def register() -> None:
 def _let_the_name_carry_supports_pp() -> None:
     """vLLM's front end allows ``--pipeline-parallel-size > 1`` only for its own backend
     names or for a backend *object* with ``supports_pp`` (``EngineArgs._check_feature_
-    supported``); a name from the command line is a string. For exactly the name
-    ``keepalive``, the check sees the class the name stands for."""
+    supported``); a name from the command line is a string. For the name ``keepalive``, or
+    the qualified name of a subclass, the check sees the class the name stands for."""
     from vllm.engine.arg_utils import EngineArgs
 
     vllm_check = EngineArgs._check_feature_supported
 
     def check(self: Any) -> None:
-        if self.distributed_executor_backend != BACKEND_NAME:
+        name = self.distributed_executor_backend
+        executor_class = keepalive_class(name) if isinstance(name, str) else None
+        if executor_class is None:
             return vllm_check(self)
-        from keepalive_executor.executor import KeepaliveExecutor
-
-        self.distributed_executor_backend = KeepaliveExecutor
+        self.distributed_executor_backend = executor_class
         try:
             return vllm_check(self)
         finally:
-            self.distributed_executor_backend = BACKEND_NAME
+            self.distributed_executor_backend = name
 
     EngineArgs._check_feature_supported = check  # type: ignore[method-assign]

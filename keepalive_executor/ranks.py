@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from keepalive_executor.protections import Protections
+
 __all__ = ["Ranks", "make_ranks"]
 
 OnDeath = Callable[[str], None]
@@ -73,14 +75,14 @@ class Ranks(Protocol):
         """Stop watching and reap what this process owns; return the exit codes known."""
 
 
-def make_ranks(vllm_config: Any) -> Ranks:
+def make_ranks(vllm_config: Any, protections: Protections) -> Ranks:
     """The spawned ranks, or torchrun's when this process tree runs under torchrun."""
     from keepalive_executor import torchrun
 
     if torchrun.in_torchrun_mode():
         from keepalive_executor.torchrun.ranks import TorchrunRanks
 
-        return TorchrunRanks(vllm_config)
+        return TorchrunRanks(vllm_config, liveness=protections.liveness)
     from keepalive_executor.launcher import SpawnedRanks
 
-    return SpawnedRanks(vllm_config)
+    return SpawnedRanks(vllm_config, alive_wait=protections.alive_wait)

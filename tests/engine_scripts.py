@@ -96,7 +96,7 @@ def llm_generate(model: str, tp: int, backend: str | None, max_tokens: int = 24,
     return result
 
 
-def slow_start(model: str, timeout_s: int) -> dict:
+def slow_start(model: str, timeout_s: int, backend: str = "keepalive") -> dict:
     """Start TP=2 with rank 1 slow to start (see fault_injection.SlowStartCPUWorker) and a
     collective timeout shorter than the delay; generate if it started."""
     set_binding(2)
@@ -104,7 +104,7 @@ def slow_start(model: str, timeout_s: int) -> dict:
 
     t0 = time.monotonic()
     try:
-        llm = LLM(**engine_kwargs(model, 2, "keepalive", distributed_timeout_seconds=timeout_s,
+        llm = LLM(**engine_kwargs(model, 2, backend, distributed_timeout_seconds=timeout_s,
                                   worker_cls="fault_injection.SlowStartCPUWorker"))
     except Exception as e:  # noqa: BLE001 - the test reads the message
         return {"started": False, "error": f"{type(e).__name__}: {e}",
@@ -507,15 +507,14 @@ def pp_shutdown_in_flight(model: str, fault_dir: str, no_drain: bool = False,
     their outputs arrived: rank 1 (the output rank) stalls ``stall_s`` after computing the
     first batch, before sending its output (fault_injection ``stall_after_rank1``), and
     shutdown starts once rank 0 has broadcast both batches; so both outputs are still to come
-    when it starts, whatever the machine's speed. ``no_drain``: the old order (test-only
-    switch)."""
+    when it starts, whatever the machine's speed. ``no_drain``: the old order (the negative
+    control's executor, tests/controls.py)."""
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     os.environ["KEEPALIVE_FAULT_DIR"] = fault_dir
-    if no_drain:
-        os.environ["_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_SHUTDOWN_DRAIN"] = "1"
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(model, 1, "keepalive", pipeline_parallel_size=2,
+    backend = "controls.NoShutdownDrain" if no_drain else "keepalive"
+    llm = LLM(**engine_kwargs(model, 1, backend, pipeline_parallel_size=2,
                               max_num_batched_tokens=64,
                               worker_cls="fault_injection.FaultyCPUWorker"))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -203,9 +203,8 @@ def test_moe_dp2_tp2_answers_like_mp_through_a_dp_wave_and_idle_periods(
         assert pinned(ka, 1, first) == expected
     finally:
         ka.stop()
-    control = dp_server(tiny_model, tmp_path / "control.log", "keepalive", 2, 2,
-                        tmp_path / "faults-control", extra_args=timeout_args, moe=True,
-                        extra_env={"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"})
+    control = dp_server(tiny_model, tmp_path / "control.log", "controls.NoKeepalives", 2, 2,
+                        tmp_path / "faults-control", extra_args=timeout_args, moe=True)
     try:
         try:
             control.wait_ready()

@@ -48,7 +48,8 @@ def references(tmp_path_factory: pytest.TempPathFactory, model: str,
 def keepalive_call(tmp_path_factory: pytest.TempPathFactory, model: str, reference: str,
                    run: str = "keepalive", extra_env: dict | None = None, **change) -> dict:
     """The call of REFERENCE (a REFERENCES entry) with the keepalive backend (and CHANGE)."""
-    spec = {**REFERENCES[reference], "backend": "keepalive", **change}
+    spec = {**REFERENCES[reference], "backend": "keepalive", **change}  # change: may name
+    # a negative control's executor as the backend (tests/controls.py)
     return parity_call(model=model, work=tmp_path_factory.mktemp(f"{reference}-{run}"),
                        extra_env=extra_env, **spec)
 
@@ -60,8 +61,8 @@ def both(tmp_path_factory: pytest.TempPathFactory, model: str, group: str,
     [name] = COMPARED[group]
     live = [keepalive_call(tmp_path_factory, model, name)]
     if negative_control:
-        live.append(keepalive_call(tmp_path_factory, model, name, run=NO_MERGE, extra_env={
-            "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_CONNECTOR_MERGE": "1"}))
+        live.append(keepalive_call(tmp_path_factory, model, name, run=NO_MERGE,
+                                   backend="controls.NoConnectorMerge"))
     got, [ref] = with_references(live, references(tmp_path_factory, model, [name]), run=run,
                                  say=say)
     return {"keepalive": got[0], "mp": ref, **({NO_MERGE: got[1]} if negative_control else {})}

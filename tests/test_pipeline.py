@@ -19,16 +19,15 @@ TIMEOUT = "5"
 IDLE_S = 10.0  # two timeouts
 
 
-def _start(tiny_model, tmp_path, name, extra_args, extra_env=None) -> Server:
+def _start(tiny_model, tmp_path, name, extra_args, backend="keepalive") -> Server:
     """A keepalive `vllm serve -tp 1 -pp 2` with the fault-injecting worker."""
     faults = tmp_path / f"faults-{name}"
     faults.mkdir(exist_ok=True)
-    server = Server(tiny_model, tmp_path / f"pp-{name}.log", tp=1, pp=2,
+    server = Server(tiny_model, tmp_path / f"pp-{name}.log", tp=1, pp=2, backend=backend,
                     extra_args=["--dtype", "float32", "--worker-cls",
                                 "fault_injection.FaultyCPUWorker",
                                 "--distributed-timeout-seconds", TIMEOUT, *extra_args],
-                    extra_env={"KEEPALIVE_FAULT_DIR": str(faults), "PYTHONPATH": PYTHONPATH,
-                               **(extra_env or {})})
+                    extra_env={"KEEPALIVE_FAULT_DIR": str(faults), "PYTHONPATH": PYTHONPATH})
     server.fault_dir = faults
     return server
 
@@ -36,8 +35,8 @@ def _start(tiny_model, tmp_path, name, extra_args, extra_env=None) -> Server:
 def test_pp_serve_answers_like_mp_survives_idle_and_fails_fast_when_the_last_stage_dies(
         tiny_model, tmp_path, reference):
     """mp's answers (serve_scripts.serve_answers at -tp 1 -pp 2, cached or live). Also the
-    negative control: a second keepalive server with the pacer disabled by the test-only
-    switch idles side by side with the first, and its pipeline dies."""
+    negative control: a second keepalive server without the pacer (controls.NoKeepalives)
+    idles side by side with the first, and its pipeline dies."""
     ka = _start(tiny_model, tmp_path, "keepalive", [])
     servers = {"keepalive": ka}
     results: dict = {}
@@ -48,9 +47,8 @@ def test_pp_serve_answers_like_mp_survives_idle_and_fails_fast_when_the_last_sta
         assert answers["keepalive"]["stream_chunks"] > 1
         tree = ka.tree()
         assert by_title(ka, "KeepaliveWorker_PP1_TP0"), [p.name() for p in tree]
-        control = servers["control"] = _start(
-            tiny_model, tmp_path, "control", [],
-            extra_env={"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"})
+        control = servers["control"] = _start(tiny_model, tmp_path, "control", [],
+                                              backend="controls.NoKeepalives")
         # the control must start (a start-up that failed tells nothing about the idle)
         control.wait_ready()
         tree += control.tree()
@@ -97,8 +95,8 @@ def test_pp_shutdown_with_two_batches_in_flight_receives_them_then_stops_cleanly
         tiny_model, tmp_path, no_drain):
     """Two batches broadcast and in the pipeline when the executor shuts down, their outputs
     held back by a 1.5 s stall of the output rank: shutdown receives them, so the output rank
-    is not left blocked in its send and reads SHUTDOWN. The control, the old order behind the
-    test-only switch, leaves rank 1 in the send of the second output (a gloo send waits for
+    is not left blocked in its send and reads SHUTDOWN. The control, the old order
+    (controls.NoShutdownDrain), leaves rank 1 in the send of the second output (a gloo send waits for
     the receiver): SIGTERM cannot reach it there, and it is SIGKILLed after the 5 s grace and
     4 s more (measured 14.5 s). Without the stall and the wait for both broadcasts the old
     order passed in CI twice (1.2 s and 1.3 s, code 0): rank 1 had sent both outputs before

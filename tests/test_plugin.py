@@ -53,8 +53,8 @@ class _Unknown(Exception):
 
 
 def test_every_other_backend_takes_vllms_own_get_class_unchanged(monkeypatch):
-    """For every value but ``keepalive``, the wrapped ``Executor.get_class`` is the one vLLM
-    had: called once with the same config, its class or its very error handed back. vLLM's
+    """For every value but ``keepalive`` and the keepalive executor's own classes (by name or
+    as a class: the next test), the wrapped ``Executor.get_class`` is the one vLLM had: called once with the same config, its class or its very error handed back. vLLM's
     function is replaced by a recording stand-in, so the wrapper's answer can only be vLLM's
     if it really came from vLLM's function."""
     from vllm.engine.arg_utils import EngineArgs
@@ -80,7 +80,8 @@ def test_every_other_backend_takes_vllms_own_get_class_unchanged(monkeypatch):
     register()
     assert Executor.get_class is not vllm_get_class
     for backend in ["mp", "uni", "ray", "external_launcher", "Keepalive", "keepalive ",
-                    "keepalive_executor.executor.KeepaliveExecutor", KeepaliveExecutor, None]:
+                    "vllm.v1.executor.uniproc_executor.UniProcExecutor", "no.such.Class",
+                    None]:
         seen.clear()
         config = cfg(backend)
         assert Executor.get_class(config) == ("vllm's answer for", backend)
@@ -90,5 +91,50 @@ def test_every_other_backend_takes_vllms_own_get_class_unchanged(monkeypatch):
         Executor.get_class(cfg("no_such_backend"))
     assert raised.value is unknown and len(seen) == 1
     seen.clear()
-    assert Executor.get_class(cfg("keepalive")) is KeepaliveExecutor
-    assert seen == []  # the one name vLLM never sees
+    for name in ("keepalive", "keepalive_executor.executor.KeepaliveExecutor",
+                 KeepaliveExecutor):
+        assert Executor.get_class(cfg(name)) is KeepaliveExecutor
+    assert seen == []  # the names vLLM never sees
+
+
+def test_a_negative_controls_executor_is_the_keepalive_executor_with_one_protection_off(
+        monkeypatch):
+    """tests/controls.py: each control turns exactly the protection it is listed under off,
+    every protection has one, and the production executor has every one on. The plugin
+    resolves a control by its qualified name (validating the configuration, as for
+    ``keepalive``); torchrun mode refuses any other executor."""
+    import dataclasses
+
+    import controls
+    from vllm.v1.executor.abstract import Executor
+
+    from keepalive_executor import register
+    from keepalive_executor.config import KeepaliveConfigError
+    from keepalive_executor.executor import KeepaliveExecutor
+    from keepalive_executor.plugin import keepalive_class
+    from keepalive_executor.protections import Protections
+
+    names = {f.name for f in dataclasses.fields(Protections)}
+    assert KeepaliveExecutor.protections == Protections() and Protections().off() == []
+    assert set(controls.BY_PROTECTION) == names
+    for name, control in controls.BY_PROTECTION.items():
+        assert issubclass(control, KeepaliveExecutor)
+        assert name in control.protections.off()
+        qualname = f"controls.{control.__name__}"
+        assert keepalive_class(qualname) is control
+    # the torchrun control turns off the pacer too (the idle half of its scenario)
+    assert controls.NoKeepalivesNoLiveness.protections.off() == ["keepalives", "liveness"]
+    assert [c.protections.off() for c in controls.BY_PROTECTION.values()
+            if c is not controls.NoKeepalivesNoLiveness] == [[n] for n in controls.BY_PROTECTION
+                                                             if n != "liveness"]
+    assert keepalive_class("mp") is None
+    assert keepalive_class("vllm.v1.executor.multiproc_executor.MultiprocExecutor") is None
+    assert keepalive_class("no.such.Class") is None
+
+    register()
+    assert Executor.get_class(cfg("controls.NoKeepalives")) is controls.NoKeepalives
+    # torchrun mode (its acceptance of a control: test_torchrun.py's negative controls, which
+    # run under torchrun; here validation would ask for torchrun's variables)
+    monkeypatch.setenv("KEEPALIVE_EXECUTOR_LAUNCHER", "torchrun")
+    with pytest.raises(KeepaliveConfigError, match="only the keepalive executor can drive"):
+        Executor.get_class(cfg("vllm.v1.executor.multiproc_executor.MultiprocExecutor"))

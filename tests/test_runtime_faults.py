@@ -26,11 +26,12 @@ def test_stall_inside_a_step_short_survives_long_fails_clearly(tiny_model):
 
 def test_negative_control_without_the_alive_wait_the_same_slow_start_fails(tiny_model):
     """Rank 1 takes the same 6 s to construct as in the rank-killed test below, but rank 0
-    joins the rendezvous at once instead of after ALIVE (the test-only switch, launcher.py):
-    the 3 s collective timeout runs out, so the ALIVE wait is what makes the difference."""
-    res = run_script("slow_start", model=tiny_model, timeout_s=3, extra_env={
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
-        "KEEPALIVE_SLOW_CONSTRUCT_S": "6", "_KEEPALIVE_EXECUTOR_TEST_ONLY_NO_ALIVE_WAIT": "1"})
+    joins the rendezvous at once instead of after ALIVE (controls.NoAliveWait): the 3 s
+    collective timeout runs out, so the ALIVE wait is what makes the difference."""
+    res = run_script("slow_start", model=tiny_model, timeout_s=3,
+                     backend="controls.NoAliveWait", extra_env={
+                         "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
+                         "KEEPALIVE_SLOW_CONSTRUCT_S": "6"})
     assert not res["started"], res
     assert "Wait timeout" in res["error"]  # gloo's rendezvous gave up, as in the CI failure
 
@@ -150,9 +151,8 @@ def test_a_worker_dying_before_the_rendezvous_fails_start_up_one_failure_grace_a
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
            "KEEPALIVE_DIE_BEFORE_RENDEZVOUS": "3", "KEEPALIVE_DEATH_STAMP": str(stamp),
            "VLLM_KEEPALIVE_STARTUP_TIMEOUT_S": "12"}
-    if not early_watch:
-        env["_KEEPALIVE_EXECUTOR_TEST_ONLY_LATE_WORKER_WATCH"] = "1"
-    res = run_script("startup_death", model=tiny_model, stamp=str(stamp), extra_env=env)
+    res = run_script("startup_death", model=tiny_model, stamp=str(stamp), extra_env=env,
+                     backend="keepalive" if early_watch else "controls.LateWorkerWatch")
     assert not res["started"]
     if early_watch:
         assert "worker rank 1" in res["error"] and "exit code 3" in res["error"], res

@@ -34,23 +34,22 @@ IDLE_DETECT_BOUND_S = 1.0
 DETECT_BOUND_S = 15.0  # then vLLM's own shutdown after unhealthy
 
 
-def _server(tiny_model: str, tmp_path, name: str, extra_env: dict | None = None) -> Server:
+def _server(tiny_model: str, tmp_path, name: str, backend: str = "keepalive") -> Server:
     faults = tmp_path / f"faults-{name}"
     faults.mkdir()
-    server = Server(tiny_model, tmp_path / f"{name}.log", extra_args=[
+    server = Server(tiny_model, tmp_path / f"{name}.log", backend=backend, extra_args=[
         "--distributed-timeout-seconds", TIMEOUT,
         "--scheduler-cls", "fault_injection.StallingScheduler", *LOAD_ARGS], extra_env={
         "KEEPALIVE_FAULT_DIR": str(faults),
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        **(extra_env or {})})
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])})
     server.fault_dir = faults
     return server
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
-    """The keepalive server, and the negative control beside it: the same with the pacer
-    disabled by the test-only switch. One after the other: a cold start beside another can
+    """The keepalive server, and the negative control beside it: the same without the pacer
+    (controls.NoKeepalives). One after the other: a cold start beside another can
     starve a rank past the 5 s timeout inside vLLM's own start-up collectives (docs/usage.md),
     which is not the subject."""
     tmp_path = tmp_path_factory.mktemp("serve")
@@ -60,7 +59,7 @@ def servers(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
         started["keepalive"] = _server(tiny_model, tmp_path, "serve")
         started["keepalive"].wait_ready()
         started["control"] = _server(tiny_model, tmp_path, "serve-nopacer",
-                                     {"_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"})
+                                     "controls.NoKeepalives")
         started["control"].wait_ready()
         trees = [p for s in started.values() for p in s.tree()]
         yield started

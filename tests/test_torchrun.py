@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from netns import VethPair
 from procs import left_after
+from run_engine import PYTHONPATH
 from serve_scripts import LOAD_ARGS, ask, texts
 from servers import TorchrunServer, by_title, failure_excerpt
 
@@ -120,14 +121,14 @@ CONTROL_TIMEOUT = "15"  # longer than the frozen spell below, so only the idle e
 @pytest.mark.slow
 def test_one_node_negative_controls_a_frozen_rank_goes_unnoticed_and_the_idle_follower_times_out(
         tiny_model, tmp_path):
-    """The same launch with both protections off (test-only switches): without the
-    heartbeat monitor a frozen rank 1 goes unnoticed past the liveness window (the server
+    """The same launch with both protections off (controls.NoKeepalivesNoLiveness): without
+    the heartbeat monitor a frozen rank 1 goes unnoticed past the liveness window (the server
     stays healthy); without the pacer the follower's wait, resumed, times out once the engine
     has been idle for the collective timeout, and the ranks fail."""
     server = TorchrunServer(tiny_model, tmp_path, extra_args=[
-        "--distributed-timeout-seconds", CONTROL_TIMEOUT], extra_env={
-        "_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_LIVENESS": "1",
-        "_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_PACER": "1"})
+        "--distributed-timeout-seconds", CONTROL_TIMEOUT,
+        "--distributed-executor-backend", "controls.NoKeepalivesNoLiveness"], extra_env={
+        "PYTHONPATH": PYTHONPATH})
     rank1 = None
     try:
         server.wait_ready()

@@ -66,6 +66,10 @@ def test_backend_flag_is_added_kept_or_refused():
     assert with_keepalive_backend(kept) == kept
     assert with_keepalive_backend(["m", "--distributed_executor_backend=keepalive"]) == [
         "m", "--distributed_executor_backend=keepalive"]
+    # a qualified class name passes here; the plugin takes only the keepalive executor's
+    # (a negative control's, tests/controls.py) and refuses any other (test_plugin.py)
+    named = ["m", "--distributed-executor-backend", "controls.NoKeepalives"]
+    assert with_keepalive_backend(named) == named
     for bad in (["m", "--distributed-executor-backend", "mp"],
                 ["m", "--distributed-executor-backend=ray"]):
         with pytest.raises(TorchrunError, match="under torchrun the executor is keepalive"):

@@ -205,7 +205,9 @@ def check_features(vllm_config: Any) -> None:
 
 
 def with_keepalive_backend(argv: Sequence[str]) -> list[str]:
-    """``argv`` with ``--distributed-executor-backend keepalive``; reject any other backend."""
+    """``argv`` with ``--distributed-executor-backend keepalive``; reject any other backend
+    name (a qualified class name passes here: the plugin accepts a subclass of the keepalive
+    executor, as a negative control's, and refuses anything else, plugin.py)."""
     out = list(argv)
     for i, arg in enumerate(out):
         for flag in _BACKEND_FLAGS:
@@ -216,7 +218,7 @@ def with_keepalive_backend(argv: Sequence[str]) -> list[str]:
                 value = arg.split("=", 1)[1]
             if value is None:
                 continue
-            if value != "keepalive":
+            if value != "keepalive" and "." not in value:
                 raise TorchrunError(
                     f"{flag} {value!r}: under torchrun the executor is keepalive (the ranks "
                     "are torchrun's processes); drop the flag or set it to keepalive"

@@ -22,8 +22,6 @@ from keepalive_executor.torchrun.liveness import LivenessMonitor
 __all__ = ["TorchrunRanks"]
 
 logger = get_logger(__name__)
-#: Test-only: no heartbeat monitor, so tests can show what it catches. Not an option.
-_TEST_DISABLE_LIVENESS_ENV = "_KEEPALIVE_EXECUTOR_TEST_ONLY_DISABLE_LIVENESS"
 
 
 class TorchrunRanks:
@@ -31,9 +29,12 @@ class TorchrunRanks:
     process) hands them its configuration over torchrun's store and watches their
     heartbeats there. It spawns nothing and kills nothing."""
 
-    def __init__(self, vllm_config: Any) -> None:
+    def __init__(self, vllm_config: Any, *, liveness: bool = True) -> None:
+        """``liveness`` False (Protections.liveness, a negative control only): no heartbeat
+        monitor, so a frozen rank goes unnoticed."""
         from vllm.utils.system_utils import get_mp_context
 
+        self._liveness = liveness
         self.env = TorchrunEnv.from_environ()
         self._vllm_config = vllm_config
         self._timeout_s = startup_timeout_s()
@@ -106,8 +107,7 @@ class TorchrunRanks:
     def _start_monitor(self, on_death: Callable[[str], None]) -> None:
         if self.env.world_size < 2:
             return
-        if os.environ.get(_TEST_DISABLE_LIVENESS_ENV) == "1":
-            logger.warning("TEST ONLY: heartbeat monitor disabled; lost ranks go unnoticed")
+        if not self._liveness:
             return
         self._monitor = LivenessMonitor(
             connect_store(self.env), self.env.key, range(1, self.env.world_size),
