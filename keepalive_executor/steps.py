@@ -156,7 +156,9 @@ def execute_then_sample(worker: Any, scheduler_output: Any) -> tuple[Any, Any]:
 
 @dataclass(frozen=True)
 class Step:
-    """One engine call on the channel: what every rank runs and the reply policy.
+    """One engine call on the channel: what every rank runs and the reply policy. A plain
+    value: the executor builds its model steps itself (its reply policy, the fused step),
+    :meth:`Step.rpc` a ``collective_rpc``.
 
     ``request`` is what travels (its ``replies`` is the policy); ``local`` what rank 0 runs
     instead of ``request.method`` (a fused step's half that returns both outputs);
@@ -190,25 +192,6 @@ class Step:
         """A ``collective_rpc``: every rank's reply, gathered."""
         req = RpcRequest(method, tuple(args), kwargs or {}, Replies.ALL)
         return cls(req.name, req, timeout_s=timeout, unique_reply_rank=unique_reply_rank)
-
-    @classmethod
-    def model_call(cls, method: str, args: tuple, reply: Replies,
-                   merge: Callable[[Any, list[Any]], Any] | None = None) -> Step:
-        """A model step: ``reply`` is DRIVER, STEP (connectors, with its ``merge``) or
-        OUTPUT (pipeline)."""
-        return cls(method, RpcRequest(method, args, {}, reply), model=True, merge=merge)
-
-    @classmethod
-    def execute(cls, scheduler_output: Any, reply: Replies,
-                merge: Callable[[Any, list[Any]], Any] | None = None) -> Step:
-        """``execute_model``: fused with its sampling unless the batch has structured-output
-        requests (see the module docstring)."""
-        if getattr(scheduler_output, "has_structured_output_requests", True):
-            return cls.model_call("execute_model", (scheduler_output,), reply, merge)
-        # the output rank sends both halves; other ranks return one output
-        wire = execute_then_sample if reply is Replies.OUTPUT else execute_and_sample
-        return cls("execute_model", RpcRequest(wire, (scheduler_output,), {}, reply),
-                   local=execute_then_sample, model=True, merge=merge)
 
 
 class StepState(enum.Enum):
