@@ -107,18 +107,18 @@ class PacerCore:
             raise ValueError(f"interval must be > 0, got {interval!r}")
         self.interval = float(interval)
         self.last_broadcast = now
-        self.stopping: PacerState | None = None  # STOPPING, STOPPED or FAILED, once stopping
+        self.stop_state: PacerState | None = None  # STOPPING, STOPPED or FAILED, else None
         self.error: BaseException | None = None
 
     @property
     def running(self) -> bool:
         """Whether keepalives may still be sent (not stopping, stopped or failed)."""
-        return self.stopping is None
+        return self.stop_state is None
 
     def state(self, busy: bool) -> PacerState:
         """The named state, given whether a step is in flight."""
-        if self.stopping is not None:
-            return self.stopping
+        if self.stop_state is not None:
+            return self.stop_state
         return PacerState.BUSY if busy else PacerState.IDLE
 
     def note_broadcast(self, now: float) -> None:
@@ -149,17 +149,17 @@ class PacerCore:
 
     def stop(self) -> None:
         """No more keepalives from now on."""
-        if self.stopping is not PacerState.FAILED:
-            self.stopping = PacerState.STOPPING
+        if self.stop_state is not PacerState.FAILED:
+            self.stop_state = PacerState.STOPPING
 
     def stopped(self) -> None:
         """The pacer's thread has exited."""
-        if self.stopping is not PacerState.FAILED:
-            self.stopping = PacerState.STOPPED
+        if self.stop_state is not PacerState.FAILED:
+            self.stop_state = PacerState.STOPPED
 
     def fail(self, error: BaseException) -> None:
         """A keepalive could not be sent: the channel is broken."""
-        self.stopping = PacerState.FAILED
+        self.stop_state = PacerState.FAILED
         self.error = error
 
 
