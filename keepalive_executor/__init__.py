@@ -10,10 +10,12 @@ collective never times out. Layout (one module, one role):
 * :mod:`~keepalive_executor.channel`     framing and the broadcast channel (wire format)
 * :mod:`~keepalive_executor.groups`      the process groups the channel and the replies run on
 * :mod:`~keepalive_executor.rpc`         call envelopes, replies and the reply gather
-* :mod:`~keepalive_executor.pacer`       the idle/busy state machine and its thread
-* :mod:`~keepalive_executor.lifecycle`   the executor's states and the step watch
+* :mod:`~keepalive_executor.pacer`       the idle/busy state machine and its thread; it reads
+  whether a step is in flight (lifecycle) and the channel's last frame, told nothing per step
+* :mod:`~keepalive_executor.lifecycle`   the executor's states, the step rank 0 is inside, the
+  steps in flight (their one owner) and the step watch
 * :mod:`~keepalive_executor.steps`       one engine call, one Step: ``submit(step) -> Future``,
-  the reply policies' rank-0 side, a step's life top-down
+  the reply policies' rank-0 side, a step's life top-down (the executor builds the Steps)
 * :mod:`~keepalive_executor.driver`      rank 0's worker, on a thread of its own
 * :mod:`~keepalive_executor.binding`     which CPUs a rank's threads run on (rank 0 and workers)
 * :mod:`~keepalive_executor.polled`      vLLM 0.34: model steps the engine polls while they run

@@ -37,7 +37,8 @@ untouched and the channel in sync.
 Concurrency: :meth:`BroadcastChannel.send` (and the keepalive/shutdown variants) take one
 lock, :attr:`BroadcastChannel.send_lock`, so messages from several sender threads are totally
 ordered and their frames never interleave. The pacer takes the same lock around its
-"is a step in flight? no: send a keepalive" decision (see :mod:`keepalive_executor.pacer`).
+"is a step in flight? no: send a keepalive" decision (see :mod:`keepalive_executor.pacer`),
+and reads there :attr:`BroadcastChannel.last_sent_at`, the time of the last frame sent.
 
 The sender does not wait for a broadcast to complete: a root's broadcast completes only when
 every receiver has posted its own, and a receiver busy with an earlier step (the last stage of a
@@ -357,6 +358,9 @@ class BroadcastChannel:
                 )
         self._host_np = self._host_frame.numpy()  # one view, reused by every message
         self._next_seq = 1
+        #: when the sender's last frame (of any kind) went out, on ``time.monotonic``: what
+        #: the pacer measures idleness from
+        self.last_sent_at = time.monotonic()
         self._seq_check = SequenceChecker()
         self._closed = False
         # sender: the window of frames, and the broadcasts in flight, oldest first
@@ -445,6 +449,7 @@ class BroadcastChannel:
                     f"broadcast of frame {seq} ({kind.name}) from rank {self.src} failed: {e}"
                 ) from e
             self._next_seq = seq + 1
+            self.last_sent_at = time.monotonic()
             return seq
 
     def _take_frame(self) -> int:

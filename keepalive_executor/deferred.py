@@ -25,7 +25,8 @@ step N's output first resolves every older one. Two differences, both deliberate
 * the wait is watched like a step (:meth:`keepalive_executor.steps.StepRunner.run_local`):
   it has the step timeout, and a failure elsewhere gives it up after the failure grace, so a
   GPU that never finishes the copy (a peer died inside the step's all-reduce) cannot hold the
-  engine thread forever. It holds no pacer token: resolving is local, no collective.
+  engine thread forever. Its lifecycle entry is local (not in flight): resolving is
+  local, no collective.
 
 An error raised by ``get_output()`` is that step's error, delivered through its future (the
 other ranks finished the step: the ranks are in step, the executor stays usable), as

@@ -27,8 +27,8 @@ from keepalive_executor.connectors import merge as merge_connector_outputs
 from keepalive_executor.lifecycle import ExecutorFailedError, ExecutorState
 from keepalive_executor.pieces import Pieces, validate
 from keepalive_executor.protections import Protections
-from keepalive_executor.rpc import Replies
-from keepalive_executor.steps import Step
+from keepalive_executor.rpc import Replies, RpcRequest
+from keepalive_executor.steps import Step, execute_and_sample, execute_then_sample
 
 __all__ = ["KeepaliveExecutor", "ExecutorFailedError"]
 
@@ -116,9 +116,11 @@ class KeepaliveExecutor(Executor):
     def execute_model(  # type: ignore[override]
         self, scheduler_output: Any, non_block: bool = False
     ) -> Any:
-        """One model step on every rank. Without structured-output requests it is the fused
-        step (one broadcast; see steps.py)."""
-        step = Step.execute(scheduler_output, *self._policy())
+        """One model step on every rank. Without structured-output requests (vLLM's grammar
+        output is then None by construction) it is the fused step: every rank samples
+        right after its forward pass, one broadcast (steps.py)."""
+        fused = not getattr(scheduler_output, "has_structured_output_requests", True)
+        step = self._model_step("execute_model", (scheduler_output,), fused=fused)
         caller = self._pieces.step_caller
         if non_block and caller is not None:  # the engine polls it (polled.py)
             return caller.submit(lambda: self._submit(step).result())
@@ -129,23 +131,36 @@ class KeepaliveExecutor(Executor):
         self, grammar_output: Any, non_block: bool = False
     ) -> Any:
         """Sampling on every rank (after a fused step: what rank 0 already sampled)."""
-        future = self._submit(Step.model_call("sample_tokens", (grammar_output,),
-                                              *self._policy()))
+        future = self._submit(self._model_step("sample_tokens", (grammar_output,)))
         return future if non_block else future.result()
 
     def execute_dummy_batch(self) -> None:
         """A dummy step on every rank."""
-        self._submit(Step.model_call("execute_dummy_batch", (), Replies.DRIVER)).result()
+        self._submit(self._model_step("execute_dummy_batch", (), Replies.DRIVER)).result()
 
     def take_draft_token_ids(self) -> Any:
         """The output rank's draft tokens (every rank takes its own)."""
         reply = Replies.OUTPUT if self._pp else Replies.DRIVER
-        return self._submit(Step.model_call("take_draft_token_ids", (), reply)).result()
+        return self._submit(self._model_step("take_draft_token_ids", (), reply)).result()
 
     def _submit(self, step: Step) -> Future:
         steps = self._pieces.steps
         assert steps is not None, "keepalive executor is not started"
         return steps.submit(step)
+
+    def _model_step(self, method: str, args: tuple, reply: Replies | None = None, *,
+                    fused: bool = False) -> Step:
+        """A model step under ``reply``, or this executor's policy. ``fused``: rank 0 runs
+        ``execute_then_sample`` (both outputs), the other ranks ``execute_and_sample``; the
+        output rank of a pipeline sends both halves (steps.py)."""
+        merge = None
+        if reply is None:
+            reply, merge = self._policy()
+        if not fused:
+            return Step(method, RpcRequest(method, args, {}, reply), model=True, merge=merge)
+        wire = execute_then_sample if reply is Replies.OUTPUT else execute_and_sample
+        return Step(method, RpcRequest(wire, args, {}, reply), local=execute_then_sample,
+                    model=True, merge=merge)
 
     def _policy(self) -> tuple[Replies, Callable[[Any, list[Any]], Any] | None]:
         """A model step's reply policy: the last stage's output (pipeline), every rank's

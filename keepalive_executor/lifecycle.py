@@ -40,6 +40,20 @@ function :func:`decide` with an injectable clock:
 A rank that dies during a step makes that step's collectives impossible, so the grace only
 has to cover a step that had already passed its last collective when the rank died.
 
+Steps in flight
+===============
+
+The lifecycle is also the one place that knows whether a step is *in flight*, which is all
+the pacer (:mod:`keepalive_executor.pacer`) needs to know of steps: no keepalive may be
+broadcast between a step's broadcast and the end of its collective work. A step is in flight
+from :meth:`Lifecycle.enter` until :meth:`Lifecycle.exit`, or, if :meth:`Lifecycle.hold` was
+called inside it (a pipeline step, whose output reaches rank 0 later), until that output's
+future is done. An entry with ``local=True`` (rank 0 alone, nothing broadcast: the wait for
+an async output) is watched but not in flight. Each entry leaves flight once, whichever of
+``exit`` and the output's arrival comes last, so the count never goes below zero however a
+give-up interleaves them. The pacer's thread reads :attr:`Lifecycle.in_flight` when it
+wakes; nothing on a step's path calls the pacer.
+
 Steps do not wake the watch. It sleeps until the deadline it knows of, or for its *horizon*
 (the model steps' timeout) when it knows of none, and :meth:`Lifecycle.enter` wakes it only for
 a step whose deadline falls before the watch would look anyway (a ``collective_rpc`` with a
@@ -54,6 +68,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from keepalive_executor.log import get_logger
@@ -85,9 +100,9 @@ class ExecutorFailedError(RuntimeError):
     """The executor is failed or stopped; the message says why."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StepInProgress:
-    """The step rank 0's thread is inside."""
+    """The step rank 0's thread is inside (each entry is its own: compared by identity)."""
 
     name: str
     since: float
@@ -107,7 +122,8 @@ class Failure:
 
 
 class Lifecycle:
-    """The state, the failure and the current step, under one condition."""
+    """The state, the failure, the current step and the steps in flight, under one
+    condition."""
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self.clock = clock
@@ -115,6 +131,10 @@ class Lifecycle:
         self._state = ExecutorState.RUNNING
         self._failure: Failure | None = None
         self._step: StepInProgress | None = None
+        #: entries no keepalive may land inside (see "Steps in flight"), and those of them
+        #: that stay in flight after rank 0 left them, until their output arrived
+        self._in_flight: set[StepInProgress] = set()
+        self._held: set[StepInProgress] = set()
         #: when the step watch looks next (it sleeps until then); None: it waits to be woken
         #: (or there is no watch). Written by the watch, read by enter(), under ``cond``.
         self.watch_looks_at: float | None = None
@@ -133,6 +153,11 @@ class Lifecycle:
     def step(self) -> StepInProgress | None:
         """The step rank 0 is inside, if any."""
         return self._step
+
+    @property
+    def in_flight(self) -> int:
+        """Steps in flight: entered (not ``local``) and not yet out of flight."""
+        return len(self._in_flight)
 
     @property
     def is_failed(self) -> bool:
@@ -154,9 +179,11 @@ class Lifecycle:
             raise err
 
     def enter(
-        self, name: str, timeout_s: float | None = None, timeout_source: str = ""
+        self, name: str, timeout_s: float | None = None, timeout_source: str = "",
+        *, local: bool = False,
     ) -> StepInProgress:
-        """Rank 0 begins a step; refused (ExecutorFailedError) unless running."""
+        """Rank 0 begins a step; refused (ExecutorFailedError) unless running. The step is
+        in flight from now on, unless ``local`` (rank 0 alone: nothing is broadcast)."""
         with self.cond:
             self.check_usable()
             if self._step is not None:
@@ -168,16 +195,36 @@ class Lifecycle:
             self._step = StepInProgress(
                 name, now, deadline, timeout_s, timeout_source, threading.get_ident(),
             )
+            if not local:
+                self._in_flight.add(self._step)
             if deadline is not None and (self.watch_looks_at is None
                                          or deadline < self.watch_looks_at):
                 self.cond.notify_all()  # the watch would look too late
             return self._step
 
     def exit(self) -> None:
-        """Rank 0 left its step (returned or raised); wakes nothing (see the module
-        docstring)."""
+        """Rank 0 left its step (returned or raised); the step leaves flight too unless it
+        is held. Wakes nothing (see the module docstring)."""
         with self.cond:
-            self._step = None
+            step, self._step = self._step, None
+            if step is not None and step not in self._held:
+                self._in_flight.discard(step)
+
+    def hold(self, step: StepInProgress, until: Future) -> None:
+        """Keep ``step`` in flight after rank 0 leaves it, until ``until`` is done (a
+        pipeline step: until the last stage's output reached rank 0). Nothing if the step
+        already left flight (its caller left first, after a give-up)."""
+        with self.cond:
+            if step not in self._in_flight:
+                return
+            self._held.add(step)
+        until.add_done_callback(lambda _: self._land(step))
+
+    def _land(self, step: StepInProgress) -> None:
+        with self.cond:
+            self._held.discard(step)
+            if step is not self._step:
+                self._in_flight.discard(step)
 
     def fail(self, reason: str) -> Failure | None:
         """Enter FAILED (once); return the failure, or None if not running any more.

@@ -31,8 +31,8 @@ torch.distributed world, and only for the steps that need it (``Replies.OUTPUT``
 * Steps overlap: the engine keeps up to P batches in flight (``max_concurrent_batches``;
   P + 1 with async scheduling on vLLM's V2 model runner), the channel's broadcasts do not
   wait for a busy last stage (see :mod:`.channel`), and each step's future resolves when its
-  output arrives. Every step is on the pacer from its broadcast until its output arrived, so
-  no keepalive is sent while any is in flight.
+  output arrives. Every step is in flight (lifecycle.py) from its broadcast until its
+  output arrived, so no keepalive is sent while any is in flight.
 * Async scheduling: the output rank's output may still be on its way to the host. The link
   resolves it before it sends (only the output rank ever does: the other ranks drop theirs,
   as vLLM's mp does). Under async scheduling the output rank resolves and sends on a thread

@@ -10,16 +10,19 @@ else; what it stands on lives here, so the executor reads like vLLM's ``UniProcE
       |- DriverRank (driver.py) - rank 0's vLLM worker; every call to it runs on its
       |                           thread keepalive-driver, so a stuck one can be given up
       |- BroadcastChannel ------- bytes to every rank (channel.py)
-      |- Pacer (pacer.py) ------- thread keepalive-pacer: keepalives while idle
+      |- Pacer (pacer.py) ------- thread keepalive-pacer: keepalives while no step is in
+      |                           flight (it reads the lifecycle's count and the
+      |                           channel's last frame; nothing calls it per step)
       |- StepRunner (steps.py) -- one engine call, one Step: owner lock, lifecycle entry,
-      |                           pacer token, broadcast, rank 0's part, the reply policy;
-      |                           async outputs resolved when asked (deferred.py)
+      |                           broadcast, rank 0's part, the reply policy; async
+      |                           outputs resolved when asked (deferred.py)
       |- OutputReceiver --------- pipeline parallelism: thread keepalive-output-recv
       |  (outputs.py)             receives the last stage's outputs, in step order
       |- StepCaller (polled.py) - vLLM 0.34's engine polls model steps: thread
       |                           keepalive-engine-step makes them, the engine gets a future
-      `- Lifecycle + StepWatch -- running/failed/stopped; thread keepalive-step-watch:
-         (lifecycle.py)           step timeouts and giving up a step a failure made endless
+      `- Lifecycle + StepWatch -- running/failed/stopped; the step rank 0 is inside and
+         (lifecycle.py)           the steps in flight; thread keepalive-step-watch: step
+                                  timeouts and giving up a step a failure made endless
 
 Start-up (:meth:`Pieces.start`) is a step of its own for the failure model: the ranks are
 watched from the moment they exist, and rank 0's wait in the rendezvous is given up like any
@@ -215,13 +218,17 @@ class Pieces:
         self.settings = settings
         self.channel = channel
         self.driver = driver
+        life = self.life
+        # the pacer is told nothing: it reads the steps in flight from the lifecycle and
+        # the last frame's time from the channel when it wakes (pacer.py)
         self.pacer = Pacer(
             settings.interval_s, channel.send_keepalive, send_lock=channel.send_lock,
+            busy=lambda: life.in_flight > 0, last_frame=lambda: channel.last_sent_at,
             clock=clock, on_failure=lambda e: self.fail(f"keepalive broadcast failed: {e}"),
             on_thread_start=channel.bind_thread,
         )
         self.steps = StepRunner(
-            channel=channel, pacer=self.pacer, driver=driver, lifecycle=self.life,
+            channel=channel, driver=driver, lifecycle=life,
             gather=gather, fail=self._fail_in_step, execute_timeout_s=settings.execute_timeout_s,
             error_window_s=settings.failure_grace_s,
             expect=None if self.outputs is None else self.outputs.expect,

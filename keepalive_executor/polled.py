@@ -11,7 +11,7 @@ So, on a release whose engine polls (``compat``) and with one batch at a time
 (``max_concurrent_batches == 1``: no pipeline, no async scheduling, whose engine loop
 interleaves calls), the executor hands each such step to :class:`StepCaller`'s one thread,
 ``keepalive-engine-step``, and returns a :class:`PolledStep` at once. That thread makes the
-call exactly as the engine's thread would have (owner lock, lifecycle, pacer token, the
+call exactly as the engine's thread would have (owner lock, lifecycle entry, the
 driver's thread: ``steps.py``); the engine's next call to the executor (``sample_tokens``,
 ``take_draft_token_ids``, a ``collective_rpc``) comes only after ``result()``, which vLLM
 calls before anything else of the step's. A failure, a give-up, or shutdown resolves the

@@ -31,23 +31,23 @@ One step's life, top-down (:meth:`StepRunner.submit`)::
     ----------------------------------         --------------------------------
     encode the call (nothing held yet)
     take the channel owner lock
-    enter the lifecycle (refused once failed)
-    take the pacer's busy token
+    enter the lifecycle (refused once failed;
+      in flight: no keepalive from here)
     hand the step to the driver thread  ---->  QUEUED -> BEGUN
     wait for its outcome (a Future that        broadcast                      -> SENT
     a give-up can fail at any time)            rank 0's own part
                                                what the reply policy waits for -> SETTLED
     <------------------------------------------ outcome
-    release token, lifecycle, lock (reverse order, by context managers)
+    leave the lifecycle, release the lock (reverse order, by context managers)
     the step's answer, as a Future
 
 1. the **channel owner lock** (re-entrant: whoever holds it owns the channel for a whole
    step, so a ``collective_rpc`` from another thread never lands inside a step);
 2. the **lifecycle** entry (:class:`~keepalive_executor.lifecycle.Lifecycle`: refused once
-   failed; records which step rank 0 is inside, with its deadline);
-3. the **pacer's busy token** (no keepalive while it is held; an OUTPUT step keeps it until
-   its output arrived);
-4. the broadcast, rank 0's own part and the reply wait all run on the driver's thread, in one
+   failed; records which step rank 0 is inside, with its deadline, and that a step is in
+   flight, which is all the pacer reads of steps: no keepalive until it left flight; an
+   OUTPUT step stays in flight until its output arrived). The step tells the pacer nothing;
+3. the broadcast, rank 0's own part and the reply wait all run on the driver's thread, in one
    hand-over. The calling thread only ever waits on that hand-over's Future, so when the step
    is given up (a rank failed and the step cannot finish, see
    :mod:`keepalive_executor.lifecycle`), the caller is released at once, wherever rank 0 is
@@ -80,8 +80,8 @@ discards the unclaimed half (with a warning if it held an output).
 Async scheduling. A model step's output may still be on its way to the host when rank 0's
 part returns; the step ends there, and the Future resolves the output when first asked
 (:mod:`keepalive_executor.deferred`), in a *local step* (:meth:`StepRunner.run_local`): the
-owner lock and a lifecycle entry (the step timeout, the give-up), rank 0's thread, no
-broadcast and so no pacer token.
+owner lock and a ``local`` lifecycle entry (the step timeout, the give-up; not in flight),
+rank 0's thread, no broadcast.
 
 Failure rules. A call that cannot be encoded or is too large fails before anything is sent:
 the caller gets the error and the executor stays usable. Once the broadcast is out, the other
@@ -116,10 +116,9 @@ from vllm.v1.serial_utils import run_method
 from keepalive_executor.channel import ChannelError, PayloadTooLargeError
 from keepalive_executor.connectors import StepReply
 from keepalive_executor.deferred import DeferredOutputs
-from keepalive_executor.lifecycle import ExecutorFailedError, Lifecycle
+from keepalive_executor.lifecycle import ExecutorFailedError, Lifecycle, StepInProgress
 from keepalive_executor.log import get_logger
 from keepalive_executor.outputs import resolve_output, settle
-from keepalive_executor.pacer import Pacer, PacerError
 from keepalive_executor.rpc import (
     Replies,
     RpcReply,
@@ -157,7 +156,9 @@ def execute_then_sample(worker: Any, scheduler_output: Any) -> tuple[Any, Any]:
 
 @dataclass(frozen=True)
 class Step:
-    """One engine call on the channel: what every rank runs and the reply policy.
+    """One engine call on the channel: what every rank runs and the reply policy. A plain
+    value: the executor builds its model steps itself (its reply policy, the fused step),
+    :meth:`Step.rpc` a ``collective_rpc``.
 
     ``request`` is what travels (its ``replies`` is the policy); ``local`` what rank 0 runs
     instead of ``request.method`` (a fused step's half that returns both outputs);
@@ -191,25 +192,6 @@ class Step:
         """A ``collective_rpc``: every rank's reply, gathered."""
         req = RpcRequest(method, tuple(args), kwargs or {}, Replies.ALL)
         return cls(req.name, req, timeout_s=timeout, unique_reply_rank=unique_reply_rank)
-
-    @classmethod
-    def model_call(cls, method: str, args: tuple, reply: Replies,
-                   merge: Callable[[Any, list[Any]], Any] | None = None) -> Step:
-        """A model step: ``reply`` is DRIVER, STEP (connectors, with its ``merge``) or
-        OUTPUT (pipeline)."""
-        return cls(method, RpcRequest(method, args, {}, reply), model=True, merge=merge)
-
-    @classmethod
-    def execute(cls, scheduler_output: Any, reply: Replies,
-                merge: Callable[[Any, list[Any]], Any] | None = None) -> Step:
-        """``execute_model``: fused with its sampling unless the batch has structured-output
-        requests (see the module docstring)."""
-        if getattr(scheduler_output, "has_structured_output_requests", True):
-            return cls.model_call("execute_model", (scheduler_output,), reply, merge)
-        # the output rank sends both halves; other ranks return one output
-        wire = execute_then_sample if reply is Replies.OUTPUT else execute_and_sample
-        return cls("execute_model", RpcRequest(wire, (scheduler_output,), {}, reply),
-                   local=execute_then_sample, model=True, merge=merge)
 
 
 class StepState(enum.Enum):
@@ -253,15 +235,14 @@ class StepBroken(Exception):
 
 
 class _Run:
-    """One submitted step's state and its pacer token. The state is written by the driver
-    thread and read by the calling thread when it leaves the step, under ``lock``."""
+    """One submitted step's state and its lifecycle entry. The state is written by the
+    driver thread and read by the calling thread when it leaves the step, under ``lock``."""
 
-    def __init__(self, step: Step) -> None:
+    def __init__(self, step: Step, entry: StepInProgress) -> None:
         self.step = step
+        self.entry = entry
         self.state = StepState.QUEUED
         self.lock = threading.Lock()
-        self.keep_pacer = False  # the token outlives the call (until an OUTPUT arrived)
-        self._pacer_released = False
 
     def move(self, to: StepState, *, when: StepState | None = None) -> bool:
         """Enter ``to`` (only from ``when``, if given); False if it was not in ``when``."""
@@ -278,15 +259,6 @@ class _Run:
             if self.state is StepState.QUEUED:
                 self.state = StepState.CANCELLED
             return self.state in (StepState.BEGUN, StepState.SENT)
-
-    def release_pacer(self, pacer: Pacer) -> None:
-        """End the step's pacer token, once (the caller and an output's arrival may race
-        after a give-up)."""
-        with self.lock:
-            if self._pacer_released:
-                return
-            self._pacer_released = True
-        pacer.finish_step()
 
 
 @dataclass
@@ -308,7 +280,6 @@ class StepRunner:
         self,
         *,
         channel: Channel,
-        pacer: Pacer,
         driver: Driver,
         lifecycle: Lifecycle,
         gather: Gather,
@@ -318,7 +289,6 @@ class StepRunner:
         expect: Expect | None = None,
     ) -> None:
         self._channel = channel
-        self._pacer = pacer
         self._driver = driver
         self._life = lifecycle
         self._gather_fn = gather
@@ -354,31 +324,22 @@ class StepRunner:
     # ------------------------------------------------------------------ what a step holds
     @contextmanager
     def _held(self, step: Step) -> Iterator[_Run]:
-        """Lifecycle entry and pacer token for one step, and the out-of-step rule."""
+        """The step's lifecycle entry (refused once failed; the step watch's deadline; in
+        flight, so the pacer sends no keepalive), and the out-of-step rule."""
         timeout_s, source = ((self._execute_timeout_s, EXECUTE_TIMEOUT_SOURCE) if step.model
                              else (step.timeout_s, "the call's timeout"))
-        self._life.enter(step.name, timeout_s, source)
-        run = _Run(step)
+        run = _Run(step, self._life.enter(step.name, timeout_s, source))
         try:
-            try:
-                self._pacer.begin_step()
-            except PacerError as e:
-                err = ExecutorFailedError(f"keepalive executor cannot begin {step.name}: {e}")
-                raise (self._life.error() or err) from e
-            try:
-                yield run
-            except StepBroken as broken:
-                self._fail(broken.reason)
-                raise self._first_failure(broken)  # noqa: B904 - its cause is already set
-            except BaseException as e:
-                if run.may_be_out_of_step():
-                    what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-                    self._fail(f"{step.name} was interrupted on rank 0 by {what} after the "
-                               "other ranks had received it; the ranks are out of step")
-                raise
-            finally:
-                if not run.keep_pacer:
-                    run.release_pacer(self._pacer)
+            yield run
+        except StepBroken as broken:
+            self._fail(broken.reason)
+            raise self._first_failure(broken)  # noqa: B904 - its cause is already set
+        except BaseException as e:
+            if run.may_be_out_of_step():
+                what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                self._fail(f"{step.name} was interrupted on rank 0 by {what} after the "
+                           "other ranks had received it; the ranks are out of step")
+            raise
         finally:
             self._life.exit()
 
@@ -426,7 +387,6 @@ class StepRunner:
             reason = f"broadcast of {run.step.name} failed: {e}"
             raise StepBroken(reason, _failed_error(reason, e)) from e
         run.move(StepState.SENT)
-        self._pacer.note_broadcast()
 
     def _invoke(self, run: _Run) -> Any:
         step = run.step
@@ -450,11 +410,10 @@ class StepRunner:
     def _rank0_then_expect(self, run: _Run) -> _Outcome:
         """OUTPUT: the step's output is the output rank's, which arrives later."""
         # Registered right after the broadcast, under the owner lock: outputs arrive in
-        # broadcast order. From here the output's arrival ends the pacer token.
+        # broadcast order. The step stays in flight (no keepalive) until its output arrived.
         assert self._expect is not None, "an OUTPUT step needs the output receiver"
         future = self._expect(run.step.name)
-        run.keep_pacer = True
-        future.add_done_callback(lambda _: run.release_pacer(self._pacer))
+        self._life.hold(run.entry, until=future)
         self._rank0_part(run, resolve=False)  # stage 0's own result is not the step's
         return _Outcome(future)
 
@@ -577,9 +536,10 @@ class StepRunner:
         """Rank 0 alone, nothing broadcast: the wait for a deferred output (deferred.py).
         On the driver's thread like a step, and watched like one: the step timeout, and the
         give-up after a failure elsewhere (a peer that died inside the step's collectives
-        leaves the GPU copy waiting forever). No pacer token: nothing collective runs."""
+        leaves the GPU copy waiting forever). Not in flight: nothing collective runs, so
+        the pacer may send keepalives meanwhile."""
         with self.owner:
-            self._life.enter(name, self._execute_timeout_s, EXECUTE_TIMEOUT_SOURCE)
+            self._life.enter(name, self._execute_timeout_s, EXECUTE_TIMEOUT_SOURCE, local=True)
             try:
                 return self._driver.run(fn)
             finally:

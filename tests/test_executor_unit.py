@@ -4,8 +4,9 @@ gather drive the real KeepaliveExecutor, StepRunner, Pacer and Lifecycle.
 A hypothesis state machine issues sequences of engine calls (blocking and non-blocking steps,
 fused steps, structured-output steps, collective_rpc, one from a second thread while a fused
 step is open, errors on rank 0 and on other ranks, a rank failing at any point, the pacer's
-thread waking at any point, also inside a step) and checks, as invariants: the pacer's
-in-flight count returns to zero, no keepalive is sent inside a step, every future resolves,
+thread waking at any point, also inside a step) and checks, as invariants: the lifecycle's
+count of steps in flight (all the pacer reads of steps) returns to zero, no keepalive is
+sent inside a step, every future resolves,
 the state only moves forward, and a failed executor refuses every call.
 """
 
@@ -71,11 +72,13 @@ class Trace:
 
 
 class FakeChannel:
-    def __init__(self, trace: Trace) -> None:
+    def __init__(self, trace: Trace, clock: Clock) -> None:
         self.trace = trace
+        self.clock = clock
         self.send_lock = threading.RLock()
         self.closed = False
         self.break_next = False
+        self.last_sent_at = clock()  # what the pacer reads: when the last frame went out
 
     def bind_thread(self) -> None:
         pass
@@ -92,6 +95,7 @@ class FakeChannel:
                 raise ChannelTransportError("peer gone")
             call = decode_request(data)
             self.trace.add("broadcast", call.name)
+            self.last_sent_at = self.clock()
             return len(self.trace.events)
 
     def send_keepalive(self) -> int:
@@ -103,6 +107,7 @@ class FakeChannel:
             if self.trace.open_steps:
                 self.trace.violations.append("keepalive inside a step")
             self.trace.add("keepalive", "")
+            self.last_sent_at = self.clock()
             return len(self.trace.events)
 
     def send_shutdown(self) -> int:
@@ -257,7 +262,7 @@ def make_executor(trace: Trace, clock: Clock, gather, abort=None, poll_steps: bo
                               pipeline_parallel_size=1),
                           scheduler_config=None, device_config=None, speculative_config=None,
                           observability_config=None)
-    channel, driver = FakeChannel(trace), make_driver(trace)
+    channel, driver = FakeChannel(trace, clock), make_driver(trace)
     UnitExecutor.fakes = dict(
         clock=clock, channel=channel, driver=driver, gather=gather, abort=abort, outputs=outputs,
         settings=KeepaliveSettings(channel=ChannelSpec(), interval_s=INTERVAL, timeout_s=10,
@@ -308,6 +313,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.worker = self.driver.worker
         echo_rank.trace = self.trace
         self.pacer = self.ex._pacer
+        self.life = self.ex._pieces.life  # owns the steps in flight, which the pacer reads
         self.watch = self.ex._pieces.watch
         self.pending: str | None = None  # the sampled output the engine has not taken
         self.model_failure: str | None = None  # expected substring of the failure reason
@@ -665,8 +671,8 @@ class ExecutorMachine(RuleBasedStateMachine):
 
     # -- invariants: the model's prediction against what the executor shows ------------
     @invariant()
-    def no_step_holds_the_pacer_between_calls(self):
-        assert self.pacer.in_flight == 0
+    def no_step_is_in_flight_between_calls(self):
+        assert self.life.in_flight == 0
 
     @invariant()
     def no_keepalive_inside_a_step(self):
@@ -703,7 +709,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.ex.shutdown()
         assert time.monotonic() - began < 3 * GRACE + 1.5  # bounded after any failure
         assert self.ex.state is ExecutorState.STOPPED
-        assert self.pacer.in_flight == 0
+        assert self.life.in_flight == 0
         if not self.failed:
             assert self.trace.events[-1] == ("shutdown", "")  # SHUTDOWN is the last frame
 
@@ -741,7 +747,7 @@ class AsyncExecutorMachine(ExecutorMachine):
     resolved before the engine asks; asking for one resolves it and every older one, in
     order, on rank 0's thread; an output whose copy raises is that output's error (the
     executor stays usable); a copy that never ends is watched like a step (timeout,
-    give-up); and no output holds the pacer."""
+    give-up); and no output is in flight for the pacer."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -854,14 +860,14 @@ class AsyncExecutorMachine(ExecutorMachine):
     @rule()
     @precondition(lambda self: not self.failed)
     def a_late_output_holds_only_the_engine_that_asked(self):
-        """While the engine waits for a late copy: no pacer token is held (a keepalive goes
+        """While the engine waits for a late copy: no step is in flight (a keepalive goes
         out), and the answer comes once the copy ends."""
         future, out = self._late()
         batch = self._resolve_upto(len(self.outstanding) - 1)
         t, outcome = self._in_engine_thread(future.result)
         try:
             assert out.entered.wait(10)
-            assert t.is_alive() and self.pacer.in_flight == 0
+            assert t.is_alive() and self.life.in_flight == 0
             self.clock.now += 2 * INTERVAL
             self.pacer.tick()
             assert self.trace.events[-1] == ("keepalive", "")
@@ -1056,19 +1062,19 @@ class FakeOutputs:
         pass
 
 
-def test_pipeline_steps_overlap_resolve_in_order_and_hold_the_pacer_until_their_output():
+def test_pipeline_steps_overlap_resolve_in_order_and_stay_in_flight_until_their_output():
     trace, clock = Trace(), Clock()
     ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD,
                                         outputs=FakeOutputs())
-    pacer = ex._pacer
+    pacer, life = ex._pacer, ex._pieces.life
     # batch A: fused execute_model returns at once with a pending future; so does sample
     exec_a = ex.execute_model(so(), non_block=True)
     sample_a = ex.sample_tokens(None, non_block=True)
-    assert not exec_a.done() and not sample_a.done() and pacer.in_flight == 1
+    assert not exec_a.done() and not sample_a.done() and life.in_flight == 1
     # batch B overlaps: broadcast and stage 0's part while A's output is still out
     exec_b = ex.execute_model(so(), non_block=True)
     sample_b = ex.sample_tokens(None, non_block=True)
-    assert pacer.in_flight == 2
+    assert life.in_flight == 2
     assert [e for e in trace.events if e[0] == "broadcast"] == [
         ("broadcast", "execute_then_sample")] * 2
     clock.now += 10 * INTERVAL
@@ -1077,39 +1083,39 @@ def test_pipeline_steps_overlap_resolve_in_order_and_hold_the_pacer_until_their_
     # the last stage's outputs arrive, in order: (execute_model's, sample_tokens')
     ex._outputs.expected[0][1].set_result((None, "sampled-A"))
     assert exec_a.result() is None and sample_a.result() == "sampled-A"
-    assert pacer.in_flight == 1 and not sample_b.done()
+    assert life.in_flight == 1 and not sample_b.done()
     ex._outputs.expected[1][1].set_result((None, "sampled-B"))
     assert sample_b.result() == "sampled-B" and exec_b.result() is None
-    assert pacer.in_flight == 0
+    assert life.in_flight == 0
     pacer.tick()
     assert trace.events[-1] == ("keepalive", "")
-    # a rank is lost with a step in flight: its futures fail, the pacer is released
+    # a rank is lost with a step in flight: its futures fail, it leaves flight
     exec_c = ex.execute_model(so(), non_block=True)
     sample_c = ex.sample_tokens(None, non_block=True)
     threading.Thread(target=ex._pieces.fail, args=("worker rank 1 died",)).start()
     with pytest.raises(ExecutorFailedError, match="worker rank 1 died"):
         sample_c.result(timeout=10)
-    assert exec_c.exception(timeout=10) is not None and pacer.in_flight == 0
+    assert exec_c.exception(timeout=10) is not None and life.in_flight == 0
     ex.shutdown()
 
 
 def test_pipeline_keeps_p_plus_one_batches_in_flight_as_async_scheduling_asks():
     """vLLM 0.32 with async scheduling and the V2 model runner keeps P + 1 batches in flight
     under PP (VllmConfig.max_concurrent_batches): three at PP=2, each broadcast at once,
-    each holding the pacer until its output arrived, resolved in step order."""
+    each in flight (no keepalive) until its output arrived, resolved in step order."""
     trace, clock = Trace(), Clock()
     ex, channel, driver = make_executor(trace, clock, lambda mine, t: [mine] * WORLD,
                                         outputs=FakeOutputs())
-    pacer = ex._pacer
+    life = ex._pieces.life
     samples = []
     for _ in range(3):
         ex.execute_model(so(), non_block=True)
         samples.append(ex.sample_tokens(None, non_block=True))
-    assert pacer.in_flight == 3 and not any(f.done() for f in samples)
+    assert life.in_flight == 3 and not any(f.done() for f in samples)
     assert [e for e in trace.events if e[0] == "broadcast"] == [
         ("broadcast", "execute_then_sample")] * 3
     for i, (_, future) in enumerate(ex._outputs.expected):
         future.set_result((None, f"sampled-{i}"))
-        assert samples[i].result() == f"sampled-{i}" and pacer.in_flight == 2 - i
+        assert samples[i].result() == f"sampled-{i}" and life.in_flight == 2 - i
         assert not any(f.done() for f in samples[i + 1:])
     ex.shutdown()

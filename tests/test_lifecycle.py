@@ -58,6 +58,70 @@ def test_states_only_move_forward_and_steps_are_refused_unless_running(ops):
         assert life.is_failed and "boom" in str(life.error())
 
 
+@given(st.lists(st.sampled_from(["enter", "enter-local", "hold", "exit", "arrive", "fail"]),
+                max_size=40),
+       st.data())
+def test_steps_in_flight_are_counted_once_each_whatever_the_order(ops, data):
+    """The one count the pacer reads. The model: a step is in flight from its entry (not a
+    local one) until rank 0 left it, or, once held, until its output arrived too; leaving,
+    holding or arriving twice, or in any order a give-up allows, never counts a step twice
+    nor drops one still in flight."""
+    from concurrent.futures import Future
+
+    life = Lifecycle(clock=lambda: 0.0)
+    inside: tuple | None = None  # (entry, local) rank 0 is inside
+    model: dict[int, dict] = {}  # per entry id: {"left": bool, "held": bool, "arrived": bool}
+    outputs: list[tuple[int, Future]] = []
+    for op in ops:
+        if op.startswith("enter") and inside is None and life.state is ExecutorState.RUNNING:
+            local = op == "enter-local"
+            entry = life.enter("step", local=local)
+            inside = (entry, local)
+            if not local:
+                model[id(entry)] = {"left": False, "held": False, "arrived": False}
+        elif op == "hold" and inside is not None and not inside[1]:
+            future: Future = Future()
+            life.hold(inside[0], until=future)
+            model[id(inside[0])]["held"] = True
+            outputs.append((id(inside[0]), future))
+        elif op == "exit" and inside is not None:
+            life.exit()
+            if not inside[1]:
+                model[id(inside[0])]["left"] = True
+            inside = None
+        elif op == "arrive" and outputs:
+            key, future = outputs.pop(data.draw(st.integers(0, len(outputs) - 1)))
+            future.set_result(None)
+            model[key]["arrived"] = True
+        elif op == "fail":
+            life.fail("rank 1 died")  # refuses new steps; steps in flight are not forgotten
+        expected = sum(1 for m in model.values()
+                       if not m["left"] or (m["held"] and not m["arrived"]))
+        assert life.in_flight == expected, (op, model)
+
+
+def test_a_step_left_before_its_hold_stays_out_of_flight():
+    """After a give-up the caller may leave the step before rank 0's thread holds it: the
+    hold then adds nothing (it would otherwise stay in flight forever, no keepalive again)."""
+    from concurrent.futures import Future
+
+    life = Lifecycle(clock=lambda: 0.0)
+    entry = life.enter("execute_model")
+    life.exit()
+    future: Future = Future()
+    life.hold(entry, until=future)
+    assert life.in_flight == 0
+    future.set_result(None)
+    assert life.in_flight == 0
+    # the normal order: held inside, left, then the output arrives
+    entry = life.enter("execute_model")
+    life.hold(entry, until=(later := Future()))
+    life.exit()
+    assert life.in_flight == 1
+    later.set_result(None)
+    assert life.in_flight == 0
+
+
 def test_a_failure_captures_the_step_another_thread_is_inside():
     life = Lifecycle(clock=lambda: 5.0)
     life.enter("execute_model", 300, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS")

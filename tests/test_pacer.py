@@ -1,10 +1,13 @@
 """The pacer's idle/busy state machine, driven by hypothesis with a fake clock.
 
 The model (this file) tracks which steps are in flight, when the last one finished, and every
-broadcast with its time; the pacer under test is the real :class:`Pacer`, whose thread body
-(``tick``) the machine calls wherever the real thread would wake: when the previous tick said
-to look again, as time advances (nothing on a step's path wakes the thread), and on stop. No
-threads, no sleeps.
+broadcast with its time; it is the world the pacer reads (``busy()``: a step in flight, as the
+lifecycle says; ``last_frame()``: the channel's last frame), never tells. The pacer under test
+is the real :class:`Pacer`, whose thread body (``tick``) the machine calls wherever the real
+thread would wake: when the previous tick said to look again, as time advances (nothing on a
+step's path wakes the thread, or calls the pacer at all), and on stop. No threads, no sleeps.
+The lifecycle's own count of steps in flight is tested in tests/test_lifecycle.py, and both
+together in tests/test_executor_unit.py.
 """
 
 import threading
@@ -15,7 +18,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from keepalive_executor.pacer import Pacer, PacerCore, PacerError, PacerState
+from keepalive_executor.lifecycle import Lifecycle
+from keepalive_executor.pacer import Pacer, PacerCore, PacerState
 
 pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
 
@@ -41,7 +45,9 @@ class PacerMachine(RuleBasedStateMachine):
         self.violations: list[str] = []
         self.stopped = False
         self.sent_after_stop = 0
-        self.pacer = Pacer(INTERVAL, self._send_keepalive, clock=self.clock)
+        self.pacer = Pacer(INTERVAL, self._send_keepalive, clock=self.clock,
+                           busy=lambda: bool(self.in_flight),
+                           last_frame=lambda: self.broadcasts[-1][0])
         self.next_tick: float | None = self.clock.now  # the thread looks at once
 
     # the "channel": records keepalives and checks guarantee 1 at the moment of sending
@@ -63,20 +69,17 @@ class PacerMachine(RuleBasedStateMachine):
     @rule()
     @precondition(lambda self: not self.stopped)
     def begin_step(self) -> None:
-        self.pacer.begin_step()
         step = self.next_step
         self.next_step += 1
         self.in_flight.add(step)
-        # the step's own work broadcast follows begin_step
+        # the step's own work broadcast follows its entry
         self.broadcasts.append((self.clock.now, f"work {step}"))
-        self.pacer.note_broadcast()
 
     @rule(data=st.data())
     @precondition(lambda self: bool(self.in_flight))
     def finish_step(self, data) -> None:
         step = data.draw(st.sampled_from(sorted(self.in_flight)))
-        self.in_flight.discard(step)
-        self.pacer.finish_step()  # no notification: the thread does not wake
+        self.in_flight.discard(step)  # nothing tells the pacer: the thread does not wake
         self.last_finish = self.clock.now
 
     @rule(dt=st.floats(min_value=0.0, max_value=3.5 * INTERVAL))
@@ -93,18 +96,6 @@ class PacerMachine(RuleBasedStateMachine):
         self.stopped = True
         self.next_tick = None
         self.pacer.tick()
-
-    @rule()
-    @precondition(lambda self: self.stopped)
-    def begin_after_stop_is_refused(self) -> None:
-        with pytest.raises(PacerError):
-            self.pacer.begin_step()
-
-    @rule()
-    @precondition(lambda self: not self.in_flight)
-    def finish_without_begin_is_refused(self) -> None:
-        with pytest.raises(PacerError):
-            self.pacer.finish_step()
 
     @invariant()
     def never_a_keepalive_during_a_step_nor_a_premature_one(self) -> None:
@@ -156,7 +147,6 @@ def test_a_step_of_any_length_is_followed_by_a_frame_within_one_interval_of_its_
     m.advance(ran)
     [step] = m.in_flight
     m.in_flight.discard(step)
-    m.pacer.finish_step()
     m.last_finish = m.clock.now
     m.advance(then)
     m.no_receiver_waits_longer_than_the_interval()
@@ -178,7 +168,6 @@ def test_a_stage0_receiver_waits_up_to_the_time_its_step_stays_in_flight_plus_on
     m.advance(in_flight_for)  # the later stages compute A; its output then reaches rank 0
     [step] = m.in_flight
     m.in_flight.discard(step)
-    m.pacer.finish_step()
     m.last_finish = m.clock.now
     m.advance(2 * INTERVAL)
     first_frame = min(t for t, _ in m.broadcasts if t > stage0_waits_since)
@@ -191,26 +180,33 @@ def test_a_stage0_receiver_waits_up_to_the_time_its_step_stays_in_flight_plus_on
 
 def test_core_decision_examples():
     core = PacerCore(2.0, now=0.0)
-    assert not core.should_send(1.9) and core.should_send(2.0)
-    core.begin_step()
-    assert not core.should_send(100.0) and core.keepalive_due_at() is None
-    core.finish_step()
-    assert core.should_send(100.0)
+    assert not core.should_send(1.9, busy=False) and core.should_send(2.0, busy=False)
+    assert not core.should_send(100.0, busy=True) and core.keepalive_due_at(True) is None
+    assert core.state(True) is PacerState.BUSY and core.state(False) is PacerState.IDLE
+    assert core.should_send(100.0, busy=False)
     core.note_broadcast(100.0)
-    assert not core.should_send(101.0)
+    core.note_broadcast(99.0)  # an older frame never moves it back
+    assert not core.should_send(101.0, busy=False)
     # when the thread looks again: when due while idle, an interval on while busy, never
     # once stopped
-    assert core.next_look(101.0) == 102.0
-    core.begin_step()
-    assert core.next_look(101.0) == 103.0
+    assert core.next_look(101.0, busy=False) == 102.0
+    assert core.next_look(101.0, busy=True) == 103.0
     core.stop()
-    assert core.next_look(101.0) is None
+    assert core.next_look(101.0, busy=False) is None and core.state(True) is PacerState.STOPPING
+    assert not core.should_send(1000.0, busy=False)
     with pytest.raises(ValueError):
         PacerCore(0.0, now=0.0)
 
 
+def _lifecycle_pacer(interval: float, send, **kwargs) -> tuple[Pacer, Lifecycle]:
+    """A pacer wired to a lifecycle as the executor wires them (pieces.py)."""
+    life = Lifecycle()
+    return Pacer(interval, send, busy=lambda: life.in_flight > 0, **kwargs), life
+
+
 def test_thread_sends_while_idle_never_while_busy_and_nothing_after_stop():
-    """The real thread on the real clock. Only ordering is asserted, never a duration."""
+    """The real thread on the real clock, reading a real lifecycle. Only ordering is
+    asserted, never a duration."""
     sent: list[float] = []
     busy = threading.Event()
     errors: list[str] = []
@@ -220,19 +216,19 @@ def test_thread_sends_while_idle_never_while_busy_and_nothing_after_stop():
             errors.append("keepalive while busy")
         sent.append(time.monotonic())
 
-    pacer = Pacer(0.02, send)
+    pacer, life = _lifecycle_pacer(0.02, send)
     pacer.start()
     deadline = time.monotonic() + 30
     while len(sent) < 5 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(sent) >= 5, "the idle pacer sent no keepalives"
-    pacer.begin_step()
+    life.enter("execute_model")
     busy.set()
     count = len(sent)
     time.sleep(0.2)  # ten intervals busy: the count must not move
     assert len(sent) == count
     busy.clear()
-    pacer.finish_step()
+    life.exit()
     while len(sent) == count and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(sent) > count, "no keepalive after the step finished"
@@ -258,33 +254,31 @@ def test_thread_failure_is_reported_once_and_pacer_fails():
     pacer.start()
     assert done.wait(30)
     assert pacer.state is PacerState.FAILED and "peer gone" in str(reported[0])
-    with pytest.raises(PacerError):
-        pacer.begin_step()
     pacer.stop()
     assert len(reported) == 1 and pacer.state is PacerState.FAILED
 
 
 def test_stop_is_bounded_and_steps_never_wait_while_a_keepalive_send_blocks():
     """A send that blocks (on a GPU a copy can wait for the previous broadcast) must not
-    hold the engine: begin/finish_step and stop return while it is stuck."""
+    hold the engine: entering and leaving a step, and stop, return while it is stuck."""
     entered, release = threading.Event(), threading.Event()
 
     def stuck_send() -> None:
         entered.set()
         release.wait()
 
-    pacer = Pacer(0.01, stuck_send)
+    pacer, life = _lifecycle_pacer(0.01, stuck_send)
     pacer.start()
     assert entered.wait(30)
     done = threading.Event()
 
     def engine() -> None:
-        pacer.begin_step()
-        pacer.finish_step()
+        life.enter("execute_model")
+        life.exit()
         done.set()
 
     threading.Thread(target=engine, daemon=True).start()
-    assert done.wait(10), "begin_step/finish_step waited for a keepalive send"
+    assert done.wait(10), "a step's lifecycle entry waited for a keepalive send"
     t0 = time.monotonic()
     assert pacer.stop(timeout=0.5) is False  # the thread is still inside the send
     assert time.monotonic() - t0 < 5
@@ -296,11 +290,12 @@ def test_stop_is_bounded_and_steps_never_wait_while_a_keepalive_send_blocks():
 
 
 def test_a_step_beginning_while_a_keepalive_is_sent_broadcasts_after_it():
-    """Guarantee 1 with the real thread and the real send lock, as the executor wires them:
-    the pacer decides "idle, due" and sends under the channel's send lock, so a step that
-    begins meanwhile broadcasts only after the keepalive is out (it never lands inside the
-    step). The send below holds the window open until the step has begun and reached for the
-    lock; a pacer that sent outside the lock would let the step's frame go first."""
+    """Guarantee 1 with the real thread, the real send lock and a real lifecycle, as the
+    executor wires them: the pacer decides "idle, due" and sends under the channel's send
+    lock, so a step that enters meanwhile broadcasts only after the keepalive is out (it
+    never lands inside the step). The send below holds the window open until the step has
+    entered and reached for the lock; a pacer that sent outside the lock would let the
+    step's frame go first."""
     lock = threading.RLock()
     frames: list[str] = []
     in_send, step_reaching = threading.Event(), threading.Event()
@@ -311,13 +306,13 @@ def test_a_step_beginning_while_a_keepalive_is_sent_broadcasts_after_it():
         time.sleep(0.05)  # the step now waits for the lock (or, wrongly, sends)
         frames.append("keepalive")
 
-    pacer = Pacer(0.01, send, send_lock=lock)
+    pacer, life = _lifecycle_pacer(0.01, send, send_lock=lock)
     pacer.start()
     assert in_send.wait(30)
-    pacer.begin_step()
+    life.enter("execute_model")
     step_reaching.set()
     with lock:  # what BroadcastChannel.send takes
         frames.append("work")
-    pacer.finish_step()
+    life.exit()
     pacer.stop()
     assert frames[:2] == ["keepalive", "work"], frames
