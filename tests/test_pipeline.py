@@ -96,9 +96,9 @@ def test_pp_shutdown_with_two_batches_in_flight_receives_them_then_stops_cleanly
     """Two batches broadcast and in the pipeline when the executor shuts down, their outputs
     held back by a 1.5 s stall of the output rank: shutdown receives them, so the output rank
     is not left blocked in its send and reads SHUTDOWN. The control, the old order
-    (controls.NoShutdownDrain), leaves rank 1 in the send of the second output (a gloo send waits for
-    the receiver): SIGTERM cannot reach it there, and it is SIGKILLed after the 5 s grace and
-    4 s more (measured 14.5 s). Without the stall and the wait for both broadcasts the old
+    (controls.NoShutdownDrain), leaves rank 1 in the send of the second output (a gloo send
+    waits for the receiver): SIGTERM cannot reach it there, and it is SIGKILLed after the 5 s
+    grace and 4 s more (measured 14.5 s). Without the stall and the wait for both broadcasts the old
     order passed in CI twice (1.2 s and 1.3 s, code 0): rank 1 had sent both outputs before
     shutdown stopped the receiving thread, or the second step was never sent."""
     res = run_script("pp_shutdown_in_flight", model=tiny_model, fault_dir=str(tmp_path),

@@ -54,7 +54,8 @@ class _Unknown(Exception):
 
 def test_every_other_backend_takes_vllms_own_get_class_unchanged(monkeypatch):
     """For every value but ``keepalive`` and the keepalive executor's own classes (by name or
-    as a class: the next test), the wrapped ``Executor.get_class`` is the one vLLM had: called once with the same config, its class or its very error handed back. vLLM's
+    as a class: the next test), the wrapped ``Executor.get_class`` is the one vLLM had:
+    called once with the same config, its class or its very error handed back. vLLM's
     function is replaced by a recording stand-in, so the wrapper's answer can only be vLLM's
     if it really came from vLLM's function."""
     from vllm.engine.arg_utils import EngineArgs
