@@ -26,6 +26,8 @@ collective never times out. Layout (one module, one role):
 * :mod:`~keepalive_executor.ranks`       where ranks 1..N-1 come from (one interface)
 * :mod:`~keepalive_executor.launcher`    spawned worker processes: start, ready, watch, stop
 * :mod:`~keepalive_executor.executor`    the vLLM ``Executor``: the engine's calls, a few lines each
+* :mod:`~keepalive_executor.protections` what keeps a scenario alive, all on (a negative
+  control's executor turns one off by subclassing)
 * :mod:`~keepalive_executor.pieces`      rank 0's pieces wired: start-up, failure, shutdown
 * :mod:`~keepalive_executor.worker_loop` the receive loop of ranks 1..N-1
 * :mod:`~keepalive_executor.exit_codes`, :mod:`~keepalive_executor.log`,
