@@ -33,7 +33,6 @@ from keepalive_executor.steps import Step, execute_and_sample, execute_then_samp
 __all__ = ["KeepaliveExecutor", "ExecutorFailedError"]
 
 
-
 class KeepaliveExecutor(Executor):
     """Driver in-process, the other ranks on one broadcast channel."""
 
@@ -49,7 +48,6 @@ class KeepaliveExecutor(Executor):
 
     def _init_executor(self) -> None:
         self._pp = self.parallel_config.pipeline_parallel_size > 1
-        self._merge_connectors = self.protections.connector_merge
         self._pieces = pieces = Pieces(self.parallel_config, polls=self._engine_polls_steps(),
                                        protections=self.protections)
         self._finalizer = weakref.finalize(self, pieces.kill)
@@ -167,7 +165,7 @@ class KeepaliveExecutor(Executor):
         connector outputs merged (a KV/EC connector: connectors.py), or rank 0's own."""
         if self._pp:
             return Replies.OUTPUT, None
-        if self._merge_connectors and (
+        if self.protections.connector_merge and (
                 getattr(self, "kv_output_aggregator", None) is not None
                 or getattr(self, "ec_output_aggregator", None) is not None):
             return Replies.STEP, self._merge_connector_outputs

@@ -254,8 +254,7 @@ class SpawnedRanks:
         self.shared_worker_lock = get_mp_context().Lock()
         self.workers: list[WorkerHandle] = []
         self._timeout_s = 0.0
-        self._alive_wait = alive_wait
-        self._alive_unread = False  # ALIVE still in the pipes at wait_ready (no alive wait)
+        self._alive_wait = alive_wait  # False: ALIVE is read in wait_ready instead
         self._world_size = vllm_config.parallel_config.world_size
         self._monitor: WorkerMonitor | None = None
 
@@ -272,17 +271,15 @@ class SpawnedRanks:
         for rank in range(1, self._world_size):
             self.workers.append(spawn_worker(vllm_config, rank, common,
                                              local_rank=self.local_rank + rank))
-        if not self._alive_wait:
-            self._alive_unread = True
-            return
-        wait_for_ready(self.workers, self._timeout_s, status="ALIVE")
+        if self._alive_wait:
+            wait_for_ready(self.workers, self._timeout_s, status="ALIVE")
 
     def before_init_device(self) -> None:
         """Nothing: the workers join through the file store on their own."""
 
     def wait_ready(self) -> None:
         """Every worker said READY (joined the groups, built its channel)."""
-        if self._alive_unread:
+        if not self._alive_wait:
             wait_for_ready(self.workers, self._timeout_s, status="ALIVE")
         wait_for_ready(self.workers, self._timeout_s)
 

@@ -173,8 +173,8 @@ class Pieces:
             nccl.apply_error_handling("nccl")
             self.abort_groups = nccl.abort_groups
         ranks.start(vllm_config, settings)
-        late_watch = not self.protections.early_worker_watch
-        if not late_watch:
+        early_watch = self.protections.early_worker_watch
+        if early_watch:
             ranks.watch(self.fail)
         # Start-up is a step of its own for the failure model: a rank lost while rank 0 waits
         # in the rendezvous fails it within the failure grace (the watch gives the wait up),
@@ -202,7 +202,7 @@ class Pieces:
         gather = partial(_gather, group=reply_group,
                          world_size=self.parallel_config.world_size, dst=channel.src)
         self.wire(settings, channel, driver, gather)
-        if late_watch:
+        if not early_watch:
             ranks.watch(self.fail)
         self.steps.submit(Step.rpc(_load_model)).result()  # type: ignore[union-attr]
 

@@ -88,7 +88,7 @@ def _let_the_name_carry_supports_pp() -> None:
 
     def check(self: Any) -> None:
         name = self.distributed_executor_backend
-        executor_class = keepalive_class(name) if isinstance(name, str) else None
+        executor_class = keepalive_class(name)
         if executor_class is None:
             return vllm_check(self)
         self.distributed_executor_backend = executor_class

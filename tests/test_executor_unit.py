@@ -236,7 +236,6 @@ class UnitExecutor(KeepaliveExecutor):
     def _init_executor(self) -> None:
         f = UnitExecutor.fakes
         self._pp = f.get("outputs") is not None
-        self._merge_connectors = True
         self._pieces = pieces = Pieces(self.parallel_config, clock=f["clock"],
                                        polls=self._engine_polls_steps())
         pieces.ranks = FakeRanks()
