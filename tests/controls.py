@@ -4,6 +4,10 @@ vLLM allows: ``--distributed-executor-backend controls.NoKeepalives`` or
 ``distributed_executor_backend="controls.NoKeepalives"`` (tests/ must be on the path of
 every process that builds the engine: the tests put it on PYTHONPATH)."""
 
+import os
+import threading
+import time
+
 from keepalive_executor.executor import KeepaliveExecutor
 from keepalive_executor.protections import Protections
 
@@ -45,8 +49,32 @@ class NoConnectorMerge(KeepaliveExecutor):
     protections = Protections(connector_merge=False)
 
 
-#: every control above, by the protection it turns off (tests/test_plugin.py checks that
-#: each is one of them and that the production executor has all on)
+class KeepalivesUntilArmed(KeepaliveExecutor):
+    """The keepalive executor, every protection on, until a test creates the file
+    ``stop_keepalives`` in ``KEEPALIVE_FAULT_DIR`` (tests/fault_injection.py's way of arming
+    a fault while a server runs): then its pacer stops for good, and from there on it is
+    :class:`NoKeepalives`. A test checks a scenario that survives thanks to the keepalives,
+    then arms this and checks that the same scenario, on the same server, fails: the control
+    costs no start-up of its own (a 4-rank one is about a minute here)."""
+
+    def _init_executor(self) -> None:
+        super()._init_executor()
+        fault_dir = os.environ.get("KEEPALIVE_FAULT_DIR")
+        if fault_dir:
+            threading.Thread(target=self._stop_keepalives_when_armed,
+                             args=(os.path.join(fault_dir, "stop_keepalives"),),
+                             name="keepalive-control-arm", daemon=True).start()
+
+    def _stop_keepalives_when_armed(self, path: str) -> None:
+        while not os.path.exists(path):
+            time.sleep(0.1)
+        self._pacer.stop()
+        print(f"controls.KeepalivesUntilArmed: {path} found, keepalives stopped", flush=True)
+
+
+#: every control above but the armed one, by the protection it turns off
+#: (tests/test_plugin.py checks that each is one of them and that the production executor
+#: has all on)
 BY_PROTECTION = {
     "keepalives": NoKeepalives,
     "liveness": NoKeepalivesNoLiveness,

@@ -173,15 +173,18 @@ def test_moe_dp2_tp2_answers_like_mp_through_a_dp_wave_and_idle_periods(
     request is a DP wave: replica 1 runs a dummy batch every step, sent on its own channel (had
     one not reached its rank 1, replica 0's step would hang in the expert collectives, which
     span the replicas). Then every replica idle for two timeouts, then both answer as
-    before. Negative control, started once the server is gone: the same server without
-    keepalives fails. (Not beside it: two 4-rank servers on 2 CPUs with a 5 s timeout made
-    the control's own start-up rendezvous time out once, and one CI run lost the server's
-    rank 1 that way; one at a time, each has the load every other serial test has.)"""
+    before. Negative control, on the same server (tests/controls.py's KeepalivesUntilArmed:
+    the keepalive executor until the test arms it, then the same without keepalives): after
+    the checks above, its keepalives stop, and the next idle of two timeouts fails it. (A
+    second 4-rank server would cost about a minute of start-up, and beside this one two
+    4-rank servers on 2 CPUs with a 5 s timeout once made the control's start-up rendezvous
+    time out.)"""
     ref = reference("moe_dp2_tp2_mp")
     assert ref["engines_served"] == ["0", "1"]
     timeout_args = ["--distributed-timeout-seconds", str(TIMEOUT)]
-    ka = dp_server(tiny_model, tmp_path / "keepalive.log", "keepalive", 2, 2,
-                   tmp_path / "faults-keepalive", extra_args=timeout_args, moe=True)
+    faults = tmp_path / "faults-keepalive"
+    ka = dp_server(tiny_model, tmp_path / "keepalive.log", "controls.KeepalivesUntilArmed",
+                   2, 2, faults, extra_args=timeout_args, moe=True)
     try:
         ka.wait_ready()
         tree = ka.tree()
@@ -201,20 +204,15 @@ def test_moe_dp2_tp2_answers_like_mp_through_a_dp_wave_and_idle_periods(
         expected = {k: ref["answers"][k] for k in (str(r["i"]) for r in first)}
         assert pinned(ka, 0, first) == expected
         assert pinned(ka, 1, first) == expected
+
+        # the negative control: the same server, its keepalives stopped, idle again
+        (faults / "stop_keepalives").write_text("1")
+        time.sleep(2 * TIMEOUT)  # idle: its ranks' waits time out
+        log = ka.log()
+        assert log.count("keepalives stopped") == 2, log[-3000:]  # both replicas' executors
+        assert_control_failed(ka, lambda: pinned(ka, 1, first[:1]))
     finally:
         ka.stop()
-    control = dp_server(tiny_model, tmp_path / "control.log", "controls.NoKeepalives", 2, 2,
-                        tmp_path / "faults-control", extra_args=timeout_args, moe=True)
-    try:
-        try:
-            control.wait_ready()
-            tree += control.tree()
-            time.sleep(2 * TIMEOUT)  # idle: its ranks' waits time out
-        except AssertionError:
-            pass  # without keepalives an idle rank may time out before the API server is up
-        assert_control_failed(control, lambda: pinned(control, 1, first[:1]))
-    finally:
-        control.stop()
     assert left_after(tree, 10) == []
 
 
