@@ -102,7 +102,11 @@ def test_the_monitors_own_stalls_count_as_one_period_and_nothing_else_changes(st
     counter = 0
     core.observe(1, counter, clock)
     for dt, outcome in steps:
-        clock += dt
+        before, clock = clock, clock + dt
+        # the gap as the monitor sees it, between two readings of its clock: in floating
+        # point 0.5 after 1.95 may be 0.5000000000000002, past two periods (hypothesis found
+        # such a case once)
+        dt = clock - before
         excused = core.tick(clock)
         stalled = dt > STALL_PERIODS * BEAT
         assert excused == (pytest.approx(dt - BEAT) if stalled else 0.0)
