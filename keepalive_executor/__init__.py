@@ -9,6 +9,8 @@ collective never times out. Layout (one module, one role):
 * :mod:`~keepalive_executor.compat`      what differs between the supported vLLM releases
 * :mod:`~keepalive_executor.channel`     framing and the broadcast channel (wire format)
 * :mod:`~keepalive_executor.groups`      the process groups the channel and the replies run on
+* :mod:`~keepalive_executor.startup_timeouts` vLLM's start-up collectives under the start-up
+  timeout, the user's timeouts back on every group after the warm-up
 * :mod:`~keepalive_executor.rpc`         call envelopes, replies and the reply gather
 * :mod:`~keepalive_executor.pacer`       the idle/busy state machine and its thread; it reads
   whether a step is in flight (lifecycle) and the channel's last frame, told nothing per step

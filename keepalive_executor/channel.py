@@ -146,6 +146,9 @@ class ChannelSpec:
     #: the timeout of the channel's own NCCL group (``device`` on NCCL/RCCL): the validated
     #: timeout of the world's device group, which the interval was checked against
     group_timeout_s: float | None = None
+    #: the timeout every rank joins vLLM's process groups with, where the user's is shorter,
+    #: until the warm-up is over (startup_timeouts.py); None: the user's from the start
+    startup_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:

@@ -396,6 +396,7 @@ def settings_from_vllm_config(
             max_payload_bytes=_parse_bytes(env, ENV_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_BYTES),
             output_timeout_s=execute_timeout_s,
             group_timeout_s=timeout,
+            startup_timeout_s=startup_timeout_s(env),
         ),
         interval_s=interval,
         timeout_s=timeout,

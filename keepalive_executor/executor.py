@@ -21,7 +21,7 @@ from typing import Any
 
 from vllm.v1.executor.abstract import Executor, FailureCallback
 
-from keepalive_executor import compat
+from keepalive_executor import compat, startup_timeouts
 from keepalive_executor.config import async_scheduling_opt_in
 from keepalive_executor.connectors import merge as merge_connector_outputs
 from keepalive_executor.lifecycle import ExecutorFailedError, ExecutorState
@@ -186,6 +186,8 @@ class KeepaliveExecutor(Executor):
         compilation_times = super().compile_or_warm_up_model()
         if self._pp and compat.release().pipeline_buffer_fix:
             self.collective_rpc(_allocate_pipeline_buffers)
+        if startup_timeouts.pending():  # every rank's groups back to the user's timeouts
+            self.collective_rpc(_end_startup_timeouts)
         if self._ranks is not None:
             self._ranks.end_startup()
         return compilation_times
@@ -226,6 +228,12 @@ def _allocate_pipeline_buffers(worker: Any) -> bool:
     runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
         batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
     return True
+
+
+def _end_startup_timeouts(worker: Any) -> int:
+    """On every rank, once the warm-up is over: vLLM's groups get the user's timeouts back
+    (startup_timeouts.py); returns how many."""
+    return startup_timeouts.restore()
 
 
 def _failed(error: BaseException) -> Future:

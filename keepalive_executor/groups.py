@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from keepalive_executor import nccl
+from keepalive_executor import nccl, startup_timeouts
 from keepalive_executor.channel import BroadcastChannel, ChannelSpec
 from keepalive_executor.config import group_timeout_s
 
@@ -62,6 +62,7 @@ def open_world_channel(spec: ChannelSpec,
         me = dist.get_rank()
         for r in replicas:
             cpu = dist.new_group(r, backend="gloo", timeout=timedelta(seconds=cpu_timeout))
+            startup_timeouts.note_cpu_group(cpu)  # its user timeout back after the warm-up
             # two groups, as vLLM's world has: the channel's broadcasts in flight never
             # share a group with the reply gathers
             dev = dist.new_group(r, backend=device_backend, timeout=None if device_timeout

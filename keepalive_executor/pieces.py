@@ -43,10 +43,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from keepalive_executor import compat, nccl, torchrun
+from keepalive_executor import compat, nccl, startup_timeouts, torchrun
 from keepalive_executor.config import (
     KeepaliveSettings,
     check_features,
@@ -152,7 +153,11 @@ class Pieces:
         tell the other ranks, shut down, raise."""
         ranks = self.ranks = make_ranks(vllm_config, self.protections)
         try:
-            settings = self.settings = validate(vllm_config)
+            settings = validate(vllm_config)
+            if not self.protections.startup_timeouts:
+                settings = replace(settings, channel=replace(settings.channel,
+                                                             startup_timeout_s=None))
+            self.settings = settings
             logger.info("%s", settings.describe())
             for name in self.protections.off():
                 logger.warning("keepalive: protection %r is OFF (a negative control's "
@@ -182,17 +187,21 @@ class Pieces:
         self.life.enter("start-up (joining the process groups)", settings.startup_timeout_s,
                         STARTUP_TIMEOUT_SOURCE)
         try:
-            driver.create(
-                vllm_config,
-                local_rank=ranks.local_rank,
-                distributed_init_method=ranks.init_method,
-                shared_worker_lock=ranks.shared_worker_lock,
-                before_init_device=ranks.before_init_device,
-            )
-            channel, reply_group = driver.run(open_world_channel, settings.channel,
-                                              self.parallel_config)
-            link = driver.run(open_output_link, self.parallel_config,
-                              settings.channel.output_timeout_s)
+            # vLLM's groups are created under the start-up timeout (startup_timeouts.py);
+            # the executor gives them the user's back once the warm-up is over
+            with startup_timeouts.during_startup(self.parallel_config,
+                                                 settings.channel.startup_timeout_s):
+                driver.create(
+                    vllm_config,
+                    local_rank=ranks.local_rank,
+                    distributed_init_method=ranks.init_method,
+                    shared_worker_lock=ranks.shared_worker_lock,
+                    before_init_device=ranks.before_init_device,
+                )
+                channel, reply_group = driver.run(open_world_channel, settings.channel,
+                                                  self.parallel_config)
+                link = driver.run(open_output_link, self.parallel_config,
+                                  settings.channel.output_timeout_s)
             ranks.wait_ready()
         finally:
             self.life.exit()

@@ -37,6 +37,10 @@ class Protections:
     #: torchrun mode: rank 0 watches every other rank's heartbeat (off: a frozen rank goes
     #: unnoticed)
     liveness: bool = True
+    #: vLLM's start-up collectives under the start-up timeout where the user's timeouts are
+    #: shorter, the user's from the end of the warm-up on (off: ranks that reach one further
+    #: apart than the user's timeout fail the start-up)
+    startup_timeouts: bool = True
 
     def off(self) -> list[str]:
         """The names of the protections turned off."""

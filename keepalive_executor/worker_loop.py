@@ -33,7 +33,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
-from keepalive_executor import compat, exit_codes, nccl
+from keepalive_executor import compat, exit_codes, nccl, startup_timeouts
 from keepalive_executor.channel import (
     BroadcastChannel,
     ChannelError,
@@ -268,9 +268,12 @@ def run_worker(
             on_constructed()
         # before this process's first NCCL group (init_device creates them)
         on_nccl = nccl.apply_error_handling(current_platform.dist_backend) is not None
-        wrapper.init_device()
-        channel, reply_group = open_world_channel(spec, vllm_config.parallel_config)
-        output = open_output_link(vllm_config.parallel_config, spec.output_timeout_s)
+        # vLLM's groups under the start-up timeout until rank 0 ends it (startup_timeouts.py)
+        with startup_timeouts.during_startup(vllm_config.parallel_config,
+                                             spec.startup_timeout_s):
+            wrapper.init_device()
+            channel, reply_group = open_world_channel(spec, vllm_config.parallel_config)
+            output = open_output_link(vllm_config.parallel_config, spec.output_timeout_s)
         if output is not None and vllm_config.scheduler_config.async_scheduling:
             output = OutputSender(output, bind_thread=partial(_bind_device, wrapper))
         counts = ReceiveCounts()

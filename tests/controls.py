@@ -31,10 +31,13 @@ class LateWorkerWatch(KeepaliveExecutor):
     protections = Protections(early_worker_watch=False)
 
 
-class NoAliveWait(KeepaliveExecutor):
-    """Rank 0 joins the rendezvous without waiting for ALIVE (before the handshake)."""
+class NoAliveWaitNoStartupTimeouts(KeepaliveExecutor):
+    """Rank 0 joins the rendezvous without waiting for ALIVE (before the handshake), under
+    the user's collective timeout (before start-up ran under the start-up timeout): either
+    protection alone lets a rank slower to start than that timeout join, so the alive
+    wait's control turns both off."""
 
-    protections = Protections(alive_wait=False)
+    protections = Protections(alive_wait=False, startup_timeouts=False)
 
 
 class NoShutdownDrain(KeepaliveExecutor):
@@ -47,6 +50,12 @@ class NoConnectorMerge(KeepaliveExecutor):
     """Rank 0's KV connector output alone (before the merge)."""
 
     protections = Protections(connector_merge=False)
+
+
+class ShortStartupTimeouts(KeepaliveExecutor):
+    """vLLM's start-up collectives under the user's timeouts (the order before)."""
+
+    protections = Protections(startup_timeouts=False)
 
 
 class KeepalivesUntilArmed(KeepaliveExecutor):
@@ -79,7 +88,9 @@ BY_PROTECTION = {
     "keepalives": NoKeepalives,
     "liveness": NoKeepalivesNoLiveness,
     "early_worker_watch": LateWorkerWatch,
-    "alive_wait": NoAliveWait,
+    "alive_wait": NoAliveWaitNoStartupTimeouts,
     "shutdown_drain": NoShutdownDrain,
     "connector_merge": NoConnectorMerge,
+    "startup_timeouts": ShortStartupTimeouts,
 }
+

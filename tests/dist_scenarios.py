@@ -30,8 +30,11 @@ def init_group(rank: int, world: int, store_path: str, timeout_s: float) -> None
 def entry(scenario: str, rank: int, world: int, queue: Any, store_path: str,
           timeout_s: float, kw: dict) -> None:
     try:
-        init_group(rank, world, store_path, timeout_s)
-        result = globals()[scenario](rank, world, **kw)
+        if kw.pop("joins_groups", False):  # the scenario joins the groups itself
+            result = globals()[scenario](rank, world, store_path=store_path, **kw)
+        else:
+            init_group(rank, world, store_path, timeout_s)
+            result = globals()[scenario](rank, world, **kw)
     except BaseException as e:  # noqa: BLE001 - the test inspects it
         result = {"error": f"{type(e).__name__}: {e}", "error_type": type(e).__name__,
                   "traceback": traceback.format_exc()}
@@ -182,3 +185,55 @@ def late_reply_gather(rank: int, world: int, late_s: float, rpc_timeout_s: float
     return {"values": None if replies is None else [r.value for r in replies],
             "waited_s": time.monotonic() - start}
 
+
+
+def startup_timeouts_on_vllms_groups(rank: int, world: int, store_path: str, user_s: int,
+                                     startup_s: float | None, late_s: float) -> dict:
+    """vLLM's own groups (``init_distributed_environment`` and ``initialize_model_parallel``
+    as a worker's ``init_device`` makes them; the default group is the scenario runner's)
+    created inside ``startup_timeouts.during_startup`` with both timeouts USER_S and the
+    start-up timeout STARTUP_S (None: not raised). Rank 1 reaches a barrier on the TP CPU group
+    and an all-reduce on the TP device group LATE_S after rank 0; then every rank restores
+    the groups' timeouts and the same happens again. Rank 0 reports how each wait ended."""
+    import torch
+    import torch.distributed as dist
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    from keepalive_executor import startup_timeouts
+
+    pc = ParallelConfig(distributed_timeout_seconds=user_s, cpu_distributed_timeout_seconds=user_s)
+    out: dict[str, Any] = {}
+    with set_current_vllm_config(VllmConfig(parallel_config=pc)):
+        with startup_timeouts.during_startup(pc, startup_s) as raised:
+            ps.init_distributed_environment(world, rank, f"file://{store_path}", rank, "gloo")
+            ps.initialize_model_parallel(tensor_model_parallel_size=world)
+        out["raised"] = raised
+        out["config_after"] = [pc.distributed_timeout_seconds, pc.cpu_distributed_timeout_seconds]
+        tp = ps.get_tp_group()
+
+        def late_waits(phase: str) -> None:
+            if rank == 1:
+                time.sleep(late_s)
+            for name, wait in (
+                    ("cpu", lambda: dist.barrier(group=tp.cpu_group)),
+                    ("device", lambda: dist.all_reduce(torch.ones(1), group=tp.device_group))):
+                t0 = time.monotonic()
+                try:
+                    wait()
+                    out[f"{phase}_{name}"] = "ok"
+                except Exception as e:  # noqa: BLE001 - the test reads it
+                    out[f"{phase}_{name}"] = f"{type(e).__name__}: {e}"[:300]
+                    return  # the group is broken from here on
+                finally:
+                    out[f"{phase}_{name}_s"] = time.monotonic() - t0
+                if rank == 1:
+                    time.sleep(late_s)  # late again for the next wait
+
+        late_waits("startup")
+        if out.get("startup_cpu") != "ok" or out.get("startup_device") != "ok":
+            return out
+        dist.barrier(group=ps.get_world_group().cpu_group)  # both past the start-up waits
+        out["restored"] = startup_timeouts.restore()
+        late_waits("after")
+    return out

@@ -18,6 +18,10 @@ Each file is removed when it fires, so a fault fires once.
 Start-up delays of rank 1 (environment, inherited by its process), for
 :class:`SlowStartCPUWorker` (and :class:`FaultyCPUWorker`, which is one):
 
+* ``KEEPALIVE_SLOW_PROFILE_S``  sleep before the engine's profile run (determine_available_
+  memory), whose forward's collectives rank 0 then waits in: ranks that reach a start-up
+  collective that far apart
+
 * ``KEEPALIVE_SLOW_CONSTRUCT_S``  sleep while the worker is being constructed, as a cold
   interpreter importing vLLM on a loaded machine does (before the worker says ALIVE)
 * ``KEEPALIVE_DIE_BEFORE_RENDEZVOUS`` exit with this code just before it joins them (after
@@ -72,6 +76,13 @@ class SlowStartCPUWorker(CPUWorker):
                     f.write(repr(time.time()))
                 os._exit(int(code))
         super().init_device()
+
+    def determine_available_memory(self) -> Any:
+        # the engine's profile run: a forward with the TP all-reduce after this, on the
+        # device group, which rank 0 reaches KEEPALIVE_SLOW_PROFILE_S earlier
+        if self.rank == 1:
+            time.sleep(float(os.environ.get("KEEPALIVE_SLOW_PROFILE_S", "0")))
+        return super().determine_available_memory()
 
 
 class FaultyCPUWorker(SlowStartCPUWorker):

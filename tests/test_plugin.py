@@ -123,11 +123,15 @@ def test_a_negative_controls_executor_is_the_keepalive_executor_with_one_protect
         assert name in control.protections.off()
         qualname = f"controls.{control.__name__}"
         assert keepalive_class(qualname) is control
-    # the torchrun control turns off the pacer too (the idle half of its scenario)
+    # the torchrun control turns off the pacer too (the idle half of its scenario), and the
+    # alive wait's the start-up timeouts (either alone saves its scenario)
     assert controls.NoKeepalivesNoLiveness.protections.off() == ["keepalives", "liveness"]
+    assert controls.NoAliveWaitNoStartupTimeouts.protections.off() == ["alive_wait",
+                                                                       "startup_timeouts"]
+    pairs = (controls.NoKeepalivesNoLiveness, controls.NoAliveWaitNoStartupTimeouts)
     assert [c.protections.off() for c in controls.BY_PROTECTION.values()
-            if c is not controls.NoKeepalivesNoLiveness] == [[n] for n in controls.BY_PROTECTION
-                                                             if n != "liveness"]
+            if c not in pairs] == [[n] for n in controls.BY_PROTECTION
+                                   if n not in ("liveness", "alive_wait")]
     assert keepalive_class("mp") is None
     assert keepalive_class("vllm.v1.executor.multiproc_executor.MultiprocExecutor") is None
     assert keepalive_class("no.such.Class") is None

@@ -26,10 +26,12 @@ def test_stall_inside_a_step_short_survives_long_fails_clearly(tiny_model):
 
 def test_negative_control_without_the_alive_wait_the_same_slow_start_fails(tiny_model):
     """Rank 1 takes the same 6 s to construct as in the rank-killed test below, but rank 0
-    joins the rendezvous at once instead of after ALIVE (controls.NoAliveWait): the 3 s
-    collective timeout runs out, so the ALIVE wait is what makes the difference."""
+    joins the rendezvous at once instead of after ALIVE, and under the user's 3 s timeout
+    instead of the start-up timeout (controls.NoAliveWaitNoStartupTimeouts): the 3 s run out.
+    Either protection alone lets rank 1 join (the start-up timeouts' own scenario, which
+    the alive wait does not cover, is tests/test_startup_timeouts.py's)."""
     res = run_script("slow_start", model=tiny_model, timeout_s=3,
-                     backend="controls.NoAliveWait", extra_env={
+                     backend="controls.NoAliveWaitNoStartupTimeouts", extra_env={
                          "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
                          "KEEPALIVE_SLOW_CONSTRUCT_S": "6"})
     assert not res["started"], res

@@ -1,0 +1,111 @@
+"""vLLM's start-up collectives under the start-up timeout, the user's timeouts after the
+warm-up (keepalive_executor/startup_timeouts.py): the decision, on vLLM's own groups in two
+real gloo processes, and through an engine whose rank 1 reaches the profile run late."""
+
+from __future__ import annotations
+
+import pytest
+from run_engine import HERE, run_script
+
+from keepalive_executor import startup_timeouts
+
+#: the user's collective timeouts in the scenarios below, and how late rank 1 is: later than
+#: the timeout, far inside the start-up timeout
+USER_S = 1
+LATE_S = 3.5
+
+
+class _Config:
+    def __init__(self, device, cpu) -> None:
+        self.distributed_timeout_seconds = device
+        self.cpu_distributed_timeout_seconds = cpu
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("device,cpu,startup,raised", [
+    (5, 5, 600.0, {"distributed_timeout_seconds": 600,
+                   "cpu_distributed_timeout_seconds": 600}),
+    (5, None, 600.0, {"distributed_timeout_seconds": 600}),  # unset: torch's default
+    (None, 30, 600.0, {"cpu_distributed_timeout_seconds": 600}),
+    (600, 1200, 600.0, {}),  # at or above the start-up timeout: as the user set them
+    (5, 5, 10.5, {"distributed_timeout_seconds": 11, "cpu_distributed_timeout_seconds": 11}),
+    (5, 5, None, {}),  # the protection off (a negative control's executor)
+])
+def test_only_timeouts_the_user_set_below_the_start_up_timeout_are_raised(device, cpu, startup,
+                                                                         raised):
+    assert startup_timeouts.raised_values(_Config(device, cpu), startup) == raised
+
+
+@pytest.mark.fast
+def test_the_configuration_gets_the_users_values_back_at_once_and_restore_is_remembered():
+    config = _Config(5, 7)
+    with startup_timeouts.during_startup(config, 600.0) as raised:
+        assert (config.distributed_timeout_seconds, config.cpu_distributed_timeout_seconds) \
+            == (600, 600) == tuple(raised.values())
+    assert (config.distributed_timeout_seconds, config.cpu_distributed_timeout_seconds) == (5, 7)
+    assert startup_timeouts.pending() == {"distributed_timeout_seconds": 5,
+                                          "cpu_distributed_timeout_seconds": 7}
+    # a start-up that fails inside: the values come back, nothing is left to restore
+    with pytest.raises(RuntimeError), startup_timeouts.during_startup(config, 600.0):
+        raise RuntimeError("init_device failed")
+    assert (config.distributed_timeout_seconds, config.cpu_distributed_timeout_seconds) == (5, 7)
+    assert startup_timeouts.pending() == {}
+    with startup_timeouts.during_startup(config, None) as raised:
+        assert raised == {} and config.distributed_timeout_seconds == 5
+    assert startup_timeouts.pending() == {} and startup_timeouts.restore() == 0
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize("startup_s", [30.0, None], ids=["raised", "negative-control"])
+def test_vllms_groups_wait_past_the_users_timeout_in_start_up_and_not_after(ranks, startup_s):
+    """Two processes join vLLM's groups as a worker's init_device does, both timeouts 1 s;
+    rank 1 is 3.5 s late to a barrier on the TP CPU group and to an all-reduce on the TP device
+    group. Raised to the 30 s start-up timeout, rank 0 waits for it; after restore(), the
+    same lateness times rank 0's wait out (the user's 2 s again). Control: not raised, the
+    first wait already times out."""
+    res = ranks("startup_timeouts_on_vllms_groups", 2, timeout_s=USER_S, wall_s=120,
+                joins_groups=True, user_s=USER_S, startup_s=startup_s, late_s=LATE_S)
+    assert set(res) == {0, 1}, res
+    r0 = res[0]
+    assert "error" not in r0, r0.get("traceback")
+    assert r0["config_after"] == [USER_S, USER_S]  # the configuration: the user's at once
+    if startup_s is None:
+        assert r0["raised"] == {}
+        assert "timed out" in r0["startup_cpu"].lower(), r0
+        return
+    assert r0["raised"] == {"distributed_timeout_seconds": 30,
+                            "cpu_distributed_timeout_seconds": 30}
+    assert r0["startup_cpu"] == "ok" and r0["startup_device"] == "ok", r0
+    assert r0["startup_cpu_s"] >= LATE_S - 1 and r0["startup_device_s"] >= LATE_S - 1, r0
+    # the world's, TP's, PP's, DP's, EP's ... device and CPU groups, and the default group
+    assert r0["restored"] >= 5, r0
+    assert "timed out" in r0["after_cpu"].lower(), r0
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+@pytest.mark.parametrize("backend", ["keepalive", "controls.ShortStartupTimeouts"],
+                         ids=["raised", "negative-control"])
+def test_a_rank_later_than_the_timeout_to_the_profile_run_starts_and_the_timeout_holds_after(
+        tiny_model, tmp_path, backend):
+    """An engine (TP=2, in-process) with both collective timeouts at 5 s whose rank 1 reaches
+    the engine's profile run 8 s after rank 0 (rank 0 waits in the reply gather on the CPU
+    group): it starts. After the warm-up the 5 s hold again: rank 1 stalling 10 s inside a
+    step fails that step well before the stall ends. Negative control, the same start-up
+    under the user's timeouts (controls.ShortStartupTimeouts): it fails."""
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    res = run_script(
+        "slow_profile_then_stall", script="startup_scripts.py", model=tiny_model,
+        timeout_s=5, stall_s=10.0, fault_dir=str(faults), backend=backend,
+        extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "KEEPALIVE_FAULT_DIR": str(faults),
+                   "KEEPALIVE_SLOW_PROFILE_S": "8", "PYTHONPATH": str(HERE)})
+    if backend != "keepalive":
+        assert not res["started"], res
+        assert "timed out" in res["error"].lower(), res
+        return
+    assert res["started"] and res["tokens"] == 4, res
+    assert res["still_raised"] == {}, res  # restored on rank 0 at the end of the warm-up
+    assert res["stall_fired"] and res["stall_error"] is not None, res
+    assert "timed out" in res["stall_error"].lower(), res
+    assert res["stall_s"] < 10.0, res  # the 5 s, not the stall's end
