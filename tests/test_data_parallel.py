@@ -160,8 +160,7 @@ def test_offline_llm_with_data_parallelism_is_refused_by_vllm(tiny_model):
         assert "REFUSED LLM(data_parallel_size=2) is not supported for single-process" in line
 
 
-@pytest.mark.slow
-@pytest.mark.serial
+@pytest.mark.slow  # not serial: no time bound, and its 5 s bound serving, not start-up
 def test_moe_dp2_tp2_answers_like_mp_through_a_dp_wave_and_idle_periods(
         tiny_model, tmp_path, reference):
     """A mixture-of-experts model (tests/tiny_moe.py): vLLM runs its replicas in one torch
@@ -175,10 +174,11 @@ def test_moe_dp2_tp2_answers_like_mp_through_a_dp_wave_and_idle_periods(
     span the replicas). Then every replica idle for two timeouts, then both answer as
     before. Negative control, on the same server (tests/controls.py's KeepalivesUntilArmed:
     the keepalive executor until the test arms it, then the same without keepalives): after
-    the checks above, its keepalives stop, and the next idle of two timeouts fails it. (A
-    second 4-rank server would cost about a minute of start-up, and beside this one two
-    4-rank servers on 2 CPUs with a 5 s timeout once made the control's start-up rendezvous
-    time out.)"""
+    the checks above, its keepalives stop, and the next idle of two timeouts fails it (a
+    second 4-rank server would cost about a minute of start-up). It runs beside other tests:
+    the 5 s timeout bounds serving only, its start-up collectives (the one world's rendezvous
+    across replicas included, which once timed out here at 5 s with two such servers starting
+    at once) run under the start-up timeout (startup_timeouts.py)."""
     ref = reference("moe_dp2_tp2_mp")
     assert ref["engines_served"] == ["0", "1"]
     timeout_args = ["--distributed-timeout-seconds", str(TIMEOUT)]
