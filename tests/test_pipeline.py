@@ -36,21 +36,23 @@ def test_pp_serve_answers_like_mp_survives_idle_and_fails_fast_when_the_last_sta
         tiny_model, tmp_path, reference):
     """mp's answers (serve_scripts.serve_answers at -tp 1 -pp 2, cached or live). Also the
     negative control: a second keepalive server without the pacer (controls.NoKeepalives)
-    idles side by side with the first, and its pipeline dies."""
+    idles side by side with the first, and its pipeline dies. Both start at once (their
+    start-up collectives run under the start-up timeout, not the 5 s: startup_timeouts.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     ka = _start(tiny_model, tmp_path, "keepalive", [])
-    servers = {"keepalive": ka}
+    control = _start(tiny_model, tmp_path, "control", [], backend="controls.NoKeepalives")
+    servers = {"keepalive": ka, "control": control}
     results: dict = {}
     try:
-        ka.wait_ready()
+        # the control must start too (a start-up that failed tells nothing about the idle)
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(Server.wait_ready, servers.values()))
         answers = {"keepalive": ask(ka.client())}
         assert texts(answers["keepalive"]) == reference("serve_tp1_pp2")
         assert answers["keepalive"]["stream_chunks"] > 1
         tree = ka.tree()
         assert by_title(ka, "KeepaliveWorker_PP1_TP0"), [p.name() for p in tree]
-        control = servers["control"] = _start(tiny_model, tmp_path, "control", [],
-                                              backend="controls.NoKeepalives")
-        # the control must start (a start-up that failed tells nothing about the idle)
-        control.wait_ready()
         tree += control.tree()
         time.sleep(IDLE_S)
         assert ka.health() == 200

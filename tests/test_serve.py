@@ -49,18 +49,19 @@ def _server(tiny_model: str, tmp_path, name: str, backend: str = "keepalive") ->
 @pytest.fixture(scope="module")
 def servers(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
     """The keepalive server, and the negative control beside it: the same without the pacer
-    (controls.NoKeepalives). One after the other: a cold start beside another can
-    starve a rank past the 5 s timeout inside vLLM's own start-up collectives (docs/usage.md),
-    which is not the subject."""
+    (controls.NoKeepalives), both started at once (their start-up collectives run under the
+    start-up timeout, not the 5 s: startup_timeouts.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     tmp_path = tmp_path_factory.mktemp("serve")
     started: dict[str, Server] = {}
     trees: list[psutil.Process] = []
     try:
         started["keepalive"] = _server(tiny_model, tmp_path, "serve")
-        started["keepalive"].wait_ready()
         started["control"] = _server(tiny_model, tmp_path, "serve-nopacer",
                                      "controls.NoKeepalives")
-        started["control"].wait_ready()
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(Server.wait_ready, started.values()))
         trees = [p for s in started.values() for p in s.tree()]
         yield started
     finally:
