@@ -53,8 +53,10 @@ phase1=$(date +%s)
 # (only the files that hold such tests: each of the four workers would otherwise import
 # every test module, vLLM included, to collect them)
 mapfile -t timer_files < <(grep -l "pytest.mark.timers" tests/test_*.py)
-"${pytest[@]}" -n 4 -m "${only}serial and timers" "${timer_files[@]}" || status=$?
-"${pytest[@]}" -m "${only}serial and not timers" tests || status=$?
+# (pytest's exit code 5: no test matched, as in a tier without such tests)
+"${pytest[@]}" -n 4 -m "${only}serial and timers" "${timer_files[@]}" \
+  || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
+"${pytest[@]}" -m "${only}serial and not timers" tests || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
 end=$(date +%s)
 echo "test.sh: phase 1 (two at a time) $((phase1 - start)) s, phase 2 (serial)" \
      "$((end - phase1)) s, in all $((end - start)) s; exit status $status"
