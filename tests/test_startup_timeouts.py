@@ -55,6 +55,25 @@ def test_the_configuration_gets_the_users_values_back_at_once_and_restore_is_rem
     assert startup_timeouts.pending() == {} and startup_timeouts.restore() == 0
 
 
+@pytest.mark.fast
+def test_the_installed_vllm_has_what_start_up_and_restore_use():
+    """The contract with the installed release (the no-engine tier runs this on 0.33 and 0.34
+    as well): both configuration fields, the registry of GroupCoordinators with a device and a
+    CPU group each, and torch's setter of a group's timeout."""
+    import dataclasses
+    import inspect
+
+    from torch.distributed import distributed_c10d
+    from vllm.config import ParallelConfig
+    from vllm.distributed import parallel_state
+
+    assert set(startup_timeouts.FIELDS) <= {f.name for f in dataclasses.fields(ParallelConfig)}
+    assert isinstance(parallel_state._groups, dict)
+    init = inspect.getsource(parallel_state.GroupCoordinator.__init__)
+    assert "self.device_group" in init and "self.cpu_group" in init
+    assert "timeout" in inspect.signature(distributed_c10d._set_pg_timeout).parameters
+
+
 @pytest.mark.serial
 @pytest.mark.parametrize("startup_s", [30.0, None], ids=["raised", "negative-control"])
 def test_vllms_groups_wait_past_the_users_timeout_in_start_up_and_not_after(ranks, startup_s):
