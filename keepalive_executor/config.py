@@ -375,6 +375,7 @@ def settings_from_vllm_config(
         interval = default_interval(timeout)
     validate_interval(interval, timeout, source, timeout_source)
     execute_timeout_s = _positive_seconds(env, ENV_EXECUTE_TIMEOUT, VLLM_EXECUTE_TIMEOUT_S)
+    startup_s = startup_timeout_s(env)
     opt_in = async_scheduling_opt_in(env)
     running_async = bool(getattr(getattr(vllm_config, "scheduler_config", None),
                                  "async_scheduling", False))
@@ -396,14 +397,14 @@ def settings_from_vllm_config(
             max_payload_bytes=_parse_bytes(env, ENV_MAX_PAYLOAD_BYTES, DEFAULT_MAX_PAYLOAD_BYTES),
             output_timeout_s=execute_timeout_s,
             group_timeout_s=timeout,
-            startup_timeout_s=startup_timeout_s(env),
+            startup_timeout_s=startup_s,
         ),
         interval_s=interval,
         timeout_s=timeout,
         interval_source=source,
         timeout_source=timeout_source,
         failure_grace_s=_positive_seconds(env, ENV_FAILURE_GRACE, DEFAULT_FAILURE_GRACE_S),
-        startup_timeout_s=startup_timeout_s(env),
+        startup_timeout_s=startup_s,
         liveness_timeout_s=_positive_seconds(
             env, ENV_LIVENESS_TIMEOUT, default_liveness_timeout_s(env)
         ),

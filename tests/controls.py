@@ -75,6 +75,8 @@ class KeepalivesUntilArmed(KeepaliveExecutor):
                              name="keepalive-control-arm", daemon=True).start()
 
     def _stop_keepalives_when_armed(self, path: str) -> None:
+        # not fault_injection's _take, which removes the file when it fires: under data
+        # parallelism every replica's executor watches the same file
         while not os.path.exists(path):
             time.sleep(0.1)
         self._pacer.stop()
@@ -93,4 +95,3 @@ BY_PROTECTION = {
     "connector_merge": NoConnectorMerge,
     "startup_timeouts": ShortStartupTimeouts,
 }
-

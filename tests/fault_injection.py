@@ -18,10 +18,10 @@ Each file is removed when it fires, so a fault fires once.
 Start-up delays of rank 1 (environment, inherited by its process), for
 :class:`SlowStartCPUWorker` (and :class:`FaultyCPUWorker`, which is one):
 
-* ``KEEPALIVE_SLOW_PROFILE_S``  sleep before the engine's profile run (determine_available_
-  memory), whose forward's collectives rank 0 then waits in: ranks that reach a start-up
-  collective that far apart
-
+* ``KEEPALIVE_SLOW_PROFILE_S``  sleep before the engine's profile run
+  (determine_available_memory): rank 0, done with its own part, waits that much longer in
+  the call's reply gather on the CPU group (with ``--enforce-eager`` and an explicit KV
+  cache size vLLM's CPU worker runs no forward there)
 * ``KEEPALIVE_SLOW_CONSTRUCT_S``  sleep while the worker is being constructed, as a cold
   interpreter importing vLLM on a loaded machine does (before the worker says ALIVE)
 * ``KEEPALIVE_DIE_BEFORE_RENDEZVOUS`` exit with this code just before it joins them (after
@@ -78,8 +78,7 @@ class SlowStartCPUWorker(CPUWorker):
         super().init_device()
 
     def determine_available_memory(self) -> Any:
-        # the engine's profile run: a forward with the TP all-reduce after this, on the
-        # device group, which rank 0 reaches KEEPALIVE_SLOW_PROFILE_S earlier
+        # rank 0 reaches the call's reply gather KEEPALIVE_SLOW_PROFILE_S before rank 1
         if self.rank == 1:
             time.sleep(float(os.environ.get("KEEPALIVE_SLOW_PROFILE_S", "0")))
         return super().determine_available_memory()
