@@ -4,7 +4,9 @@
 #      start their ranks with long collective timeouts, so a busy machine only slows them;
 #   2. the `serial` tests (time bounds, short collective timeouts) with nothing else running:
 #      first those also marked `timers` (bounds on threads that mostly sleep) four at a time,
-#      then the others one after the other.
+#      then those marked `heavy` (servers that take most of the memory) alone, then the others
+#      in two lanes: one test at a time, but for the waits for a server's start-up and the
+#      idle periods, which the two lanes may run side by side (tests/lanes.py).
 # Extra arguments go to one plain pytest run instead, e.g. `bash scripts/test.sh -m "not slow"`
 # or `bash scripts/test.sh tests/test_pacer.py`.
 # `bash scripts/test.sh --fast`: the everyday tier, the same two phases over the tests marked
@@ -56,7 +58,16 @@ mapfile -t timer_files < <(grep -l "pytest.mark.timers" tests/test_*.py)
 # (pytest's exit code 5: no test matched, as in a tier without such tests)
 "${pytest[@]}" -n 4 -m "${only}serial and timers" "${timer_files[@]}" \
   || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
-"${pytest[@]}" -m "${only}serial and not timers" tests || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
+# then those whose servers take most of the memory, alone
+mapfile -t heavy_files < <(grep -l "pytest.mark.heavy" tests/test_*.py)
+"${pytest[@]}" -m "${only}serial and heavy and not timers" "${heavy_files[@]}" \
+  || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
+# then the others in two lanes (tests/lanes.py): two workers, one module at a time each; a
+# worker has the machine to itself but while both wait for a server's start-up or idle
+lanes_lock="$(mktemp)"
+KEEPALIVE_SERIAL_LANES="$lanes_lock" "${pytest[@]}" -n 2 --dist loadfile \
+  -m "${only}serial and not timers and not heavy" tests || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
+rm -f "$lanes_lock"
 end=$(date +%s)
 echo "test.sh: phase 1 (two at a time) $((phase1 - start)) s, phase 2 (serial)" \
      "$((end - phase1)) s, in all $((end - start)) s; exit status $status"

@@ -37,6 +37,23 @@ def pytest_configure(config) -> None:
     config.add_cleanup(lambda: shutil.rmtree(snapshot, ignore_errors=True))
 
 
+def pytest_sessionstart(session) -> None:
+    """In the serial phase's two lanes (tests/lanes.py), a worker waits for a server's
+    start-up in an overlappable region. Wrapped here, not in servers.py: the lanes belong to
+    this test session, while servers.py is shared with the scripts that compute the cached
+    references and with the benchmarks (and its source is part of the references' keys)."""
+    import lanes
+
+    if not lanes.active():
+        return
+    from launchers import LaunchedServer
+    from servers import Server, TorchrunServer
+
+    for cls in (Server, TorchrunServer, LaunchedServer):
+        if not getattr(cls.wait_ready, "__wrapped_by_lanes__", False):
+            cls.wait_ready = lanes.wrap(cls.wait_ready)
+
+
 _UNGROUPED: set[str] = set()
 
 
@@ -52,12 +69,30 @@ def pytest_collection_finish(session) -> None:
                           if item.get_closest_marker("xdist_group") and "@" not in item.nodeid)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item) -> None:
+    import lanes
+
+    # a lane holds the machine from its first test's set-up on (not from its session's start:
+    # xdist schedules no test before every worker has collected); a test marked overlappable
+    # is a region of its lane, but for the windows it measures alone (tests/lanes.py)
+    lanes.hold()
+    lanes.start_test(item.get_closest_marker("overlappable") is not None)
     if item.nodeid in _UNGROUPED:
         pytest.fail(f"--dist loadgroup did not group this test (marked xdist_group) under "
                     f"pytest {pytest.__version__}: the tests sharing its engine would each "
                     "start it again; install the pytest of scripts/constraints.txt",
                     pytrace=False)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """After a lane's last test, and its fixtures' teardown, it gives the machine up (xdist
+    runs a worker's last test only once it knows no other follows)."""
+    if nextitem is None:
+        import lanes
+
+        lanes.release()
 
 
 def run_ranks(scenario: str, world: int, *, timeout_s: float, wall_s: float, **kw) -> dict:

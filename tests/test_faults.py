@@ -21,7 +21,7 @@ from procs import alive, left_after
 from run_engine import HERE
 from servers import Server, by_title
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.heavy]
 
 DETECT_BOUND_S = 15.0  # worker death -> server gone (vLLM's own shutdown after unhealthy)
 # Rank 1 raises inside a step -> the client's HTTP 500: README's 1.5 s. Observed 1.23 s, and

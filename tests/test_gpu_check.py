@@ -3,7 +3,9 @@ the one command meant for a GPU machine cannot rot unseen. Two engine start-ups 
 on each transport); mp's answers come from the cached reference serve_tp2
 (tests/reference_calls.py). The negative control of its idle check (the same idle without
 the pacer fails) is tests/test_serve.py's. Serial: it asserts a reaction time and starts its
-ranks with a 5 s collective timeout."""
+ranks with a 5 s collective timeout. Overlappable (tests/lanes.py) as a whole: its reaction
+bound is 30 s and its idle runs keepalives every 1.25 s against that 5 s, both far from what
+another test's start-up beside it costs, and its answers are outputs."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 @pytest.mark.serial
+@pytest.mark.overlappable
 def test_the_gpu_checks_cpu_mode_runs_green_and_makes_every_check_it_promises(tmp_path):
     out = tmp_path / "gpu_check.json"
     popen = subprocess.Popen(

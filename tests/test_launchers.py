@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import lanes
 import psutil
 import pytest
 from launchers import LaunchedServer, mpirun_launch, require, slurm_cluster
@@ -241,6 +242,7 @@ def _launch(name: str, request, extra: list[str] | None = None) -> tuple[list[st
     return mpirun_launch(2), {}
 
 
+@pytest.mark.overlappable
 @pytest.mark.slow
 @serial
 @pytest.mark.parametrize("launcher", ["srun", "mpirun"])
@@ -264,18 +266,19 @@ def test_serves_like_mp_survives_idle_and_a_killed_rank_1_ends_the_job(
         client = server.client()
         before = ask(client)
         assert texts(before) == reference("serve_tp2")  # mp's greedy answers
-        time.sleep(IDLE_S)
+        lanes.idle(IDLE_S)
         assert server.health() == 200
         assert texts(ask(client)) == texts(before)
         procs = server.tree()
-        [rank1] = [p for p in procs if "KeepaliveWorker_TP1" in name_of(p)]
-        killed_at = time.monotonic()
-        rank1.kill()
-        code = server.proc.wait(60)
-        took = time.monotonic() - killed_at
-        print(f"{launcher}: rank 1 SIGKILLed -> {launcher} exited {code} after {took:.2f}s")
-        left = left_after(procs, 10)
-        steps = [p.pid for p in server.step_daemons() if p.is_running()]
+        with lanes.alone():  # the kill and the exit bound
+            [rank1] = [p for p in procs if "KeepaliveWorker_TP1" in name_of(p)]
+            killed_at = time.monotonic()
+            rank1.kill()
+            code = server.proc.wait(60)
+            took = time.monotonic() - killed_at
+            print(f"{launcher}: rank 1 SIGKILLed -> {launcher} exited {code} after {took:.2f}s")
+            left = left_after(procs, 10)
+            steps = [p.pid for p in server.step_daemons() if p.is_running()]
     finally:
         server.stop()
     assert code != 0, server.log()[-4000:]

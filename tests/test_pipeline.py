@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import lanes
 import pytest
 from procs import left_after
 from run_engine import PYTHONPATH, run_script
@@ -32,6 +33,7 @@ def _start(tiny_model, tmp_path, name, extra_args, backend="keepalive") -> Serve
     return server
 
 
+@pytest.mark.overlappable
 def test_pp_serve_answers_like_mp_survives_idle_and_fails_fast_when_the_last_stage_dies(
         tiny_model, tmp_path, reference):
     """mp's answers (serve_scripts.serve_answers at -tp 1 -pp 2, cached or live). Also the
@@ -54,30 +56,31 @@ def test_pp_serve_answers_like_mp_survives_idle_and_fails_fast_when_the_last_sta
         tree = ka.tree()
         assert by_title(ka, "KeepaliveWorker_PP1_TP0"), [p.name() for p in tree]
         tree += control.tree()
-        time.sleep(IDLE_S)
+        lanes.idle(IDLE_S)
         assert ka.health() == 200
         assert texts(ask(ka.client())) == texts(answers["keepalive"])
         assert_control_failed(control, lambda: ask(control.client()))
         control.stop()
         # the last stage (vLLM's output rank) dies inside a step while 8 streams run: rank 0
         # SIGKILLs it at its next execute_model (fault_injection's kill_pid)
-        [last] = by_title(ka, "KeepaliveWorker_PP1_TP0")
-        (ka.fault_dir / "kill_pid").write_text(str(last.pid))
-        t0 = time.monotonic()
-        threads = _stream_all(ka, 8, results)
-        for t in threads:
-            t.join(30)
-        ends = [r[2] - t0 for r in results.values()]
-        assert len(results) == 8 and max(ends) < KILL_REACTION_BOUND_S, (results, ends)
-        # every client learns of the fault: an error, never a stream that just ends (chunk
-        # counts prove nothing: the front end merges tokens into fewer chunks)
-        assert all(r[0] == "error" for r in results.values()), results
-        assert not last.is_running() or last.status() == "zombie"
-        # whichever noticed first names rank 1: its process sentinel, or the output link
-        log = ka.log()
-        assert "keepalive executor failed" in log
-        assert ("worker rank 1" in log and "died unexpectedly" in log) or (
-            "from rank 1 (the last pipeline stage) did not arrive" in log), log[-3000:]
+        with lanes.alone():  # the kill and the reaction bound
+            [last] = by_title(ka, "KeepaliveWorker_PP1_TP0")
+            (ka.fault_dir / "kill_pid").write_text(str(last.pid))
+            t0 = time.monotonic()
+            threads = _stream_all(ka, 8, results)
+            for t in threads:
+                t.join(30)
+            ends = [r[2] - t0 for r in results.values()]
+            assert len(results) == 8 and max(ends) < KILL_REACTION_BOUND_S, (results, ends)
+            # every client learns of the fault: an error, never a stream that just ends (chunk
+            # counts prove nothing: the front end merges tokens into fewer chunks)
+            assert all(r[0] == "error" for r in results.values()), results
+            assert not last.is_running() or last.status() == "zombie"
+            # whichever noticed first names rank 1: its process sentinel, or the output link
+            log = ka.log()
+            assert "keepalive executor failed" in log
+            assert ("worker rank 1" in log and "died unexpectedly" in log) or (
+                "from rank 1 (the last pipeline stage) did not arrive" in log), log[-3000:]
     finally:
         for s in servers.values():
             s.stop()

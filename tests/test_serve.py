@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+import lanes
 import psutil
 import pytest
 from procs import left_after
@@ -70,6 +71,7 @@ def servers(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
     assert left_after(trees, 10) == []
 
 
+@pytest.mark.overlappable
 def test_answers_like_mp_survive_idle_and_a_stalled_loop_negative_control_dies(servers,
                                                                               reference):
     """Both servers idle for the same two collective timeouts: keepalive's answers are mp's
@@ -89,7 +91,7 @@ def test_answers_like_mp_survive_idle_and_a_stalled_loop_negative_control_dies(s
         ask(control.client())
     except Exception:  # noqa: BLE001
         pass
-    time.sleep(IDLE_S)
+    lanes.idle(IDLE_S)
     assert server.health() == 200
     assert texts(ask(client)) == texts(before)
     assert "keepalive executor: transport=device, interval=1.25s" in server.log()
@@ -138,6 +140,7 @@ def assert_disconnects_were_aborts(server: Server, reqs: list[dict], before: dic
     assert len(reqs) - len(left) <= succeeded < len(reqs), succeeded
 
 
+@pytest.mark.overlappable
 def test_load_with_disconnects_frees_everything_and_matches_mp(servers, reference):
     """256 streaming requests at concurrency 32, prompts of 2 to 60 words, 4 to 64 output
     tokens, every tenth client closing its stream after two chunks: the server stays

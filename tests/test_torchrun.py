@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import lanes
 import pytest
 from netns import VethPair
 from procs import left_after
@@ -70,6 +71,7 @@ def liveness_window(timeout: float) -> tuple[float, float]:
 LIVENESS_BOUND_S = liveness_window(ONE_NODE_LIVENESS_S)[1]
 
 
+@pytest.mark.overlappable
 @pytest.mark.slow
 @serial
 def test_one_node_serves_like_mp_survives_idle_and_notices_a_frozen_rank1_by_its_heartbeat(
@@ -91,23 +93,24 @@ def test_one_node_serves_like_mp_survives_idle_and_notices_a_frozen_rank1_by_its
         before = ask(client)
         assert texts(before) == reference("serve_tp2")  # mp's greedy answers
         assert before["stream_chunks"] > 1
-        time.sleep(IDLE_S)
+        lanes.idle(IDLE_S)
         assert server.health() == 200
         assert texts(ask(client)) == texts(before)
         log = server.log()
         assert ("keepalive torchrun mode: configuration published for ranks 1..1 (one node, "
                 "heartbeat liveness timeout 1.5s)") in log
         assert "rank 1 of 2 (local rank 1) follows the driver" in log
-        [rank1] = by_title(server, "KeepaliveWorker_TP1")
-        rank1.suspend()
-        unhealthy_after = wait_unhealthy(server, 30)
-        print(f"SIGSTOP of rank 1 -> unhealthy after {unhealthy_after:.2f}s")
-        earliest, latest = liveness_window(ONE_NODE_LIVENESS_S)
-        assert earliest <= unhealthy_after < latest, unhealthy_after
-        assert "rank 1 sent no heartbeat for" in server.log(), server.log()[-4000:]
-        rank1.kill()
-        codes = server.wait_agents(60)
-        assert codes[0] not in (None, 0), codes
+        with lanes.alone():  # the freeze and the liveness window
+            [rank1] = by_title(server, "KeepaliveWorker_TP1")
+            rank1.suspend()
+            unhealthy_after = wait_unhealthy(server, 30)
+            print(f"SIGSTOP of rank 1 -> unhealthy after {unhealthy_after:.2f}s")
+            earliest, latest = liveness_window(ONE_NODE_LIVENESS_S)
+            assert earliest <= unhealthy_after < latest, unhealthy_after
+            assert "rank 1 sent no heartbeat for" in server.log(), server.log()[-4000:]
+            rank1.kill()
+            codes = server.wait_agents(60)
+            assert codes[0] not in (None, 0), codes
     finally:
         if rank1 is not None and rank1.is_running():
             rank1.kill()
@@ -254,6 +257,7 @@ def _agent_of(server: TorchrunServer, title: str) -> int:
     raise AssertionError(f"{title} belongs to no agent")
 
 
+@pytest.mark.overlappable
 @pytest.mark.slow
 @serial
 def test_two_nodes_c10d_rendezvous_serves_then_losing_the_other_node_fails_the_server(
@@ -275,12 +279,13 @@ def test_two_nodes_c10d_rendezvous_serves_then_losing_the_other_node_fails_the_s
         assert "rank 1 of 2 (local rank 0) follows the driver" in server.log(other)
         # each node binds its one rank by its own list (vLLM indexes it by local rank)
         assert f"bound to CPUs [{other}]" in server.log(other)
-        server.agents[other].kill()
-        unhealthy_after = wait_unhealthy(server, 30)
-        print(f"the other node's agent SIGKILLed -> unhealthy after {unhealthy_after:.2f}s")
-        codes = server.wait_agents(60)
-        left = left_after(procs, 10)
-        log0 = server.log(driver)
+        with lanes.alone():  # the loss and the reaction bound
+            server.agents[other].kill()
+            unhealthy_after = wait_unhealthy(server, 30)
+            print(f"the other node's agent SIGKILLed -> unhealthy after {unhealthy_after:.2f}s")
+            codes = server.wait_agents(60)
+            left = left_after(procs, 10)
+            log0 = server.log(driver)
     finally:
         server.stop()
     # measured 1.43 s: rank 1 dies with its agent (PDEATHSIG) and the driver's next keepalive
@@ -336,6 +341,7 @@ def second_host():
     pair.down()
 
 
+@pytest.mark.overlappable
 @pytest.mark.slow
 @serial
 def test_two_hosts_over_veth_one_pipeline_stage_each_serve_idle_then_losing_host1_fails(
@@ -358,23 +364,24 @@ def test_two_hosts_over_veth_one_pipeline_stage_each_serve_idle_then_losing_host
         before = ask(client)
         assert texts(before) == reference("serve_tp1_pp2")
         assert before["stream_chunks"] > 1
-        time.sleep(IDLE_S)
+        lanes.idle(IDLE_S)
         assert server.health() == 200
         assert texts(ask(client)) == texts(before)
         log1 = server.log(1)
         assert f"follows the driver (torchrun's store at {pair.here_ip}:" in log1
         # node 1 freezes (no socket closes): its heartbeat across the link stops
-        [rank1] = by_title(server, "KeepaliveWorker_PP1_TP0")
-        rank1.suspend()
-        unhealthy_after = wait_unhealthy(server, 30)
-        print(f"two hosts: SIGSTOP of rank 1 -> unhealthy after {unhealthy_after:.2f}s")
-        earliest, latest = liveness_window(TWO_NODE_LIVENESS_S)  # the multi-node default
-        assert earliest <= unhealthy_after < latest, unhealthy_after
-        assert "rank 1 sent no heartbeat for" in server.log(0)
-        server.agents[1].kill()  # then node 1 goes away for good
-        codes = server.wait_agents(60)
-        left = left_after(procs, 10)
-        log0 = server.log(0)
+        with lanes.alone():  # the freeze, the liveness window, the loss
+            [rank1] = by_title(server, "KeepaliveWorker_PP1_TP0")
+            rank1.suspend()
+            unhealthy_after = wait_unhealthy(server, 30)
+            print(f"two hosts: SIGSTOP of rank 1 -> unhealthy after {unhealthy_after:.2f}s")
+            earliest, latest = liveness_window(TWO_NODE_LIVENESS_S)  # the multi-node default
+            assert earliest <= unhealthy_after < latest, unhealthy_after
+            assert "rank 1 sent no heartbeat for" in server.log(0)
+            server.agents[1].kill()  # then node 1 goes away for good
+            codes = server.wait_agents(60)
+            left = left_after(procs, 10)
+            log0 = server.log(0)
     finally:
         server.stop()
     assert codes[0] not in (None, 0), codes

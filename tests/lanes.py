@@ -1,0 +1,186 @@
+"""Two lanes for the serial phase: two pytest workers share the machine, and a test's measured
+moments still have it to themselves.
+
+scripts/test.sh runs the `serial` tests that are neither `timers` nor `heavy` in two
+pytest-xdist workers and points ``KEEPALIVE_SERIAL_LANES`` at a lock file both open. A worker
+holds the lock exclusively from its first test on: whatever its tests do runs with no other
+test doing anything but what its own idle servers do (a keepalive every interval, a
+heartbeat). It gives exclusivity up only inside an *overlappable* region, where it holds the
+lock shared: two such regions, one per worker, may run at once; an exclusive holder never
+runs beside either.
+
+The regions are the waits for a server's start-up (``Server.wait_ready`` and its subclasses'
+own; conftest.py wraps them when the lanes are on), a test's idle periods (``idle``), and the
+whole of a test marked ``overlappable`` (pytest marker) but for its measured windows
+(``alone``): a test whose claims hold on a busy machine (answers equal to mp's, surviving an
+idle of two collective timeouts with a keepalive every quarter of one) but for a reaction
+time, which it measures alone. A
+start-up measures nothing here: its collectives run under the start-up timeout
+(keepalive_executor/startup_timeouts.py), and one start-up keeps about one core of the two
+busy (its processes import vLLM one after another), so two side by side take about as long as
+one. Start-ups whose time is the claim run in a script (``run_script``), never in a region.
+When a region ends, the worker waits for exclusivity again before its test goes on: the
+servers it started idle meanwhile, which a keepalive server survives by design and which a
+negative control (no keepalives) may not (test_serve.py's and test_pipeline.py's controls
+allow for it).
+
+Fairness: flock converts a lock by dropping it and taking it again, and grants it to whoever
+asks first, so a worker that goes from region to test to region could keep the lock for good
+while the other waits. Every acquisition therefore queues first on a second lock, the
+turnstile, which a worker waiting for exclusivity keeps until it has it: the other worker
+cannot take the main lock again in any mode meanwhile, so the two take turns.
+
+Without ``KEEPALIVE_SERIAL_LANES`` (any other run, and the scripts that compute the cached
+references) nothing here takes a lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["ENV", "active", "hold", "release", "start_test", "overlappable", "alone", "wrap",
+           "idle"]
+
+ENV = "KEEPALIVE_SERIAL_LANES"
+
+#: no wait for the lock is longer than a whole serial phase: past it, something holds it that
+#: never lets go, and the run fails saying so instead of hanging
+WAIT_LIMIT_S = 3600.0
+
+_mutex = threading.Lock()
+#: the descriptors of the main lock and the turnstile once held; the mode held; how many
+#: regions this process is inside (threads: a fixture starts several servers at once from a
+#: thread pool; the test itself, if marked overlappable); whether a window is alone
+_state: dict[str, Any] = {"fd": None, "turn": None, "mode": None, "regions": 0,
+                          "alone": False}
+
+
+def active() -> bool:
+    return bool(os.environ.get(ENV))
+
+
+def _flock(fd: int, mode: int) -> None:
+    """flock, waiting at most WAIT_LIMIT_S (polled: a blocking flock cannot time out)."""
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"lanes: the other lane held {os.environ[ENV]} for "
+                                   f"{WAIT_LIMIT_S:.0f} s") from None
+            time.sleep(0.02)
+
+
+def _ensure(mode: int) -> None:
+    """Hold the main lock in ``mode``: queue on the turnstile, take it, leave the turnstile.
+    Waiting for exclusivity keeps the turnstile, so the other worker cannot slip in again
+    meanwhile. (Called with _mutex held, or before any other thread uses the lanes.)"""
+    fd, turn = _state["fd"], _state["turn"]
+    if fd is None or _state["mode"] == mode:
+        return
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    _state["mode"] = None
+    _flock(turn, fcntl.LOCK_EX)
+    try:
+        _flock(fd, mode)
+    finally:
+        fcntl.flock(turn, fcntl.LOCK_UN)
+    _state["mode"] = mode
+
+
+def hold() -> None:
+    """Open the lock files and take the lock exclusively (before this process's first test);
+    it is held until ``release`` after its last test, or until the process exits."""
+    if not active() or _state["fd"] is not None:
+        return
+    path = os.environ[ENV]
+    _state["fd"] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    _state["turn"] = os.open(path + ".turnstile", os.O_RDWR | os.O_CREAT, 0o600)
+    _ensure(fcntl.LOCK_EX)
+
+
+def release() -> None:
+    """Give the machine up for good (after this process's last test)."""
+    for name in ("fd", "turn"):
+        if _state[name] is not None:
+            os.close(_state[name])
+            _state[name] = None
+    _state.update(mode=None, regions=0, alone=False)
+
+
+def start_test(overlappable_test: bool) -> None:
+    """Before a test's set-up: a test marked overlappable is a region until the next test
+    starts (no exclusive turn in between when that one is overlappable too); any other holds
+    the lock exclusively but in its own regions."""
+    with _mutex:
+        _state["regions"] = 1 if overlappable_test else 0
+        _ensure(fcntl.LOCK_SH if overlappable_test else fcntl.LOCK_EX)
+
+
+@contextmanager
+def overlappable() -> Iterator[None]:
+    """A region that may run beside the other worker's region (the lock held shared). Entering
+    waits while the other worker holds the lock exclusively; leaving waits until its region,
+    if it is in one, has ended."""
+    if _state["fd"] is None:
+        yield
+        return
+    with _mutex:
+        _state["regions"] += 1
+        if not _state["alone"]:
+            _ensure(fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        with _mutex:
+            _state["regions"] -= 1
+            if _state["regions"] == 0 and not _state["alone"]:
+                _ensure(fcntl.LOCK_EX)
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """A measured window inside a region (a test marked ``overlappable``: a reaction time, a
+    kill and what follows): the machine to itself for the window's length. Entering waits
+    until the other worker's region, if any, has ended; regions entered meanwhile (a server
+    started in the window) stay exclusive."""
+    if _state["fd"] is None or _state["alone"]:
+        yield
+        return
+    with _mutex:
+        _ensure(fcntl.LOCK_EX)
+        _state["alone"] = True
+    try:
+        yield
+    finally:
+        with _mutex:
+            _state["alone"] = False
+            if _state["regions"] > 0:
+                _ensure(fcntl.LOCK_SH)
+
+
+def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` run inside an overlappable region."""
+    @functools.wraps(method)
+    def in_region(*args: Any, **kwargs: Any) -> Any:
+        with overlappable():
+            return method(*args, **kwargs)
+    in_region.__wrapped_by_lanes__ = True  # type: ignore[attr-defined]
+    return in_region
+
+
+def idle(seconds: float) -> None:
+    """A test's idle period (its servers wait for work, nothing is measured until it ends)
+    as an overlappable region: the other worker may start servers meanwhile. The idle lasts
+    ``seconds`` at least, longer if the other's region outlasts it."""
+    with overlappable():
+        time.sleep(seconds)

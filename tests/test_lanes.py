@@ -1,0 +1,198 @@
+"""tests/lanes.py, the serial phase's two lanes: a worker holding the machine excludes
+everything of the other worker, and overlappable regions admit only each other. Checked on
+real flocks, with a probe descriptor standing in for the other worker (flock locks belong to
+an open file description, so two descriptors of one process conflict like two processes)."""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.fast
+
+HERE = Path(__file__).resolve().parent
+
+
+def _fresh_copy(name: str):
+    """A copy of the module with state of its own: two copies in one process are two lanes
+    (each opens its own descriptors)."""
+    spec = importlib.util.spec_from_file_location(name, HERE / "lanes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def lanes(tmp_path, monkeypatch):
+    """A fresh copy of the module (its state is per process), with the lanes on."""
+    monkeypatch.setenv("KEEPALIVE_SERIAL_LANES", str(tmp_path / "lanes.lock"))
+    module = _fresh_copy("lanes_under_test")
+    yield module
+    module.release()
+
+
+@pytest.fixture
+def probe(tmp_path):
+    fd = os.open(tmp_path / "lanes.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    yield fd
+    os.close(fd)
+
+
+def can_take(fd: int, mode: int) -> bool:
+    """Whether the other worker could take the lock in ``mode`` now (it is left free)."""
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
+def test_a_held_lane_excludes_the_other_and_its_regions_admit_only_regions(lanes, probe):
+    assert can_take(probe, fcntl.LOCK_EX)  # nobody holds it yet
+    lanes.hold()
+    assert not can_take(probe, fcntl.LOCK_SH)  # not even the other's region
+    with lanes.overlappable():
+        assert can_take(probe, fcntl.LOCK_SH)  # the other's region may run beside this one
+        assert not can_take(probe, fcntl.LOCK_EX)  # the other's test may not
+    assert not can_take(probe, fcntl.LOCK_SH)
+    lanes.release()  # after its last test
+    assert can_take(probe, fcntl.LOCK_EX)
+
+
+def test_the_lock_stays_shared_until_the_last_thread_leaves_its_region(lanes, probe):
+    lanes.hold()
+    first_in, second_in, first_may_leave = (threading.Event() for _ in range(3))
+
+    def first() -> None:
+        with lanes.overlappable():
+            first_in.set()
+            first_may_leave.wait(30)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert first_in.wait(30)
+    with lanes.overlappable():
+        second_in.set()
+        first_may_leave.set()
+        t.join(30)
+        assert not t.is_alive()
+        assert can_take(probe, fcntl.LOCK_SH)  # one thread left: still a region
+    assert not can_take(probe, fcntl.LOCK_SH)
+
+
+def test_a_worker_waits_for_the_machine_while_the_other_holds_it(lanes, probe):
+    fcntl.flock(probe, fcntl.LOCK_EX)  # the other worker, in its test
+    held = threading.Event()
+    t = threading.Thread(target=lambda: (lanes.hold(), held.set()), daemon=True)
+    t.start()
+    assert not held.wait(0.5)
+    fcntl.flock(probe, fcntl.LOCK_UN)
+    assert held.wait(30)
+    assert not can_take(probe, fcntl.LOCK_SH)
+
+
+def test_leaving_a_region_waits_until_the_other_workers_region_ends(lanes, probe):
+    lanes.hold()
+    inside, go, left = (threading.Event() for _ in range(3))
+
+    def start_up() -> None:
+        with lanes.overlappable():
+            inside.set()
+            go.wait(30)
+        left.set()
+
+    t = threading.Thread(target=start_up, daemon=True)
+    t.start()
+    assert inside.wait(30)
+    fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the other worker's region, beside
+    go.set()
+    assert not left.wait(0.5)  # the lane's test goes on only once the other region ended
+    fcntl.flock(probe, fcntl.LOCK_UN)
+    assert left.wait(30)
+    assert not can_take(probe, fcntl.LOCK_SH)
+
+
+def test_a_wrapped_method_runs_inside_a_region_and_returns_its_result(lanes, probe):
+    lanes.hold()
+
+    def wait_ready(x: int) -> tuple[int, bool, bool]:
+        return x, can_take(probe, fcntl.LOCK_SH), can_take(probe, fcntl.LOCK_EX)
+
+    assert lanes.wrap(wait_ready)(7) == (7, True, False)
+
+
+def test_without_the_variable_nothing_takes_a_lock(lanes, probe, monkeypatch):
+    monkeypatch.delenv("KEEPALIVE_SERIAL_LANES")
+    lanes.hold()
+    with lanes.overlappable():
+        assert can_take(probe, fcntl.LOCK_EX)
+    assert can_take(probe, fcntl.LOCK_EX)
+
+
+def test_a_lane_waiting_for_the_machine_gets_it_before_the_other_takes_it_back(lanes):
+    """flock grants a lock to whoever asks first: without the turnstile a lane going from
+    region to test and back takes it again within microseconds, and the other, waiting, would
+    wait for as long as that goes on."""
+    other = _fresh_copy("the_other_lane")
+    lanes.hold()
+    cycles: list[int] = []
+    at: list[int] = []
+
+    def busy_lane() -> None:
+        for _ in range(100):
+            with lanes.overlappable():
+                time.sleep(0.002)
+            cycles.append(1)
+
+    def waiting_lane() -> None:
+        other.hold()
+        at.append(len(cycles))
+        other.release()
+
+    a, b = threading.Thread(target=busy_lane), threading.Thread(target=waiting_lane)
+    b.start()
+    turnstile = os.open(os.environ["KEEPALIVE_SERIAL_LANES"] + ".turnstile", os.O_RDWR)
+    try:
+        deadline = time.monotonic() + 30
+        while can_take(turnstile, fcntl.LOCK_EX) and time.monotonic() < deadline:
+            time.sleep(0.005)  # until the other lane queues (it keeps the turnstile)
+    finally:
+        os.close(turnstile)
+    a.start()
+    a.join(60)
+    b.join(60)
+    assert at and at[0] <= 1, (at, len(cycles))
+    assert len(cycles) == 100
+
+
+def test_a_measured_window_inside_a_region_has_the_machine_to_itself(lanes, probe):
+    lanes.hold()
+    with lanes.overlappable():  # a test marked overlappable
+        assert can_take(probe, fcntl.LOCK_SH)
+        with lanes.alone():  # its kill and reaction time
+            assert not can_take(probe, fcntl.LOCK_SH)
+            with lanes.overlappable():  # a server started in the window: still alone
+                assert not can_take(probe, fcntl.LOCK_SH)
+            assert not can_take(probe, fcntl.LOCK_SH)
+        assert can_take(probe, fcntl.LOCK_SH)  # a region again
+    assert not can_take(probe, fcntl.LOCK_SH)
+
+
+def test_an_overlappable_test_is_a_region_until_a_test_that_is_not_starts(lanes, probe):
+    lanes.hold()
+    lanes.start_test(True)  # marked overlappable
+    assert can_take(probe, fcntl.LOCK_SH) and not can_take(probe, fcntl.LOCK_EX)
+    with lanes.overlappable():  # its server's start-up
+        pass
+    assert can_take(probe, fcntl.LOCK_SH)  # still its region after the start-up
+    lanes.start_test(True)  # the next one marked too: no exclusive turn in between
+    assert can_take(probe, fcntl.LOCK_SH)
+    lanes.start_test(False)
+    assert not can_take(probe, fcntl.LOCK_SH)
