@@ -291,10 +291,12 @@ BAD = ["-tp", "1", "--distributed-timeout-seconds", "60"]
 
 @pytest.mark.slow
 @serial
+@pytest.mark.overlappable
 def test_a_bad_launch_is_a_clear_error_on_every_rank(request, tiny_model, tmp_path):
     """-tp 1 under two ranks, through both launchers at once: each refused before any weight
     loads, rank 0 naming the launcher's own option and rank 1 repeating rank 0's reason; the
-    launchers exit non-zero with nothing left."""
+    launchers exit non-zero with nothing left. No time bound: overlappable (tests/lanes.py),
+    as torchrun's own bad launches run in phase 1 beside other tests."""
     launches = {name: _launch(name, request) for name in ("srun", "mpirun")}
     servers = {name: LaunchedServer(tiny_model, tmp_path / f"bad-{name}.log", launch,
                                     extra_args=BAD, extra_env=extra_env)
