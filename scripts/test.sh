@@ -5,8 +5,9 @@
 #   2. the `serial` tests (time bounds, short collective timeouts) with nothing else running:
 #      first those also marked `timers` (bounds on threads that mostly sleep) four at a time,
 #      then those marked `heavy` (servers that take most of the memory) alone, then the others
-#      in two lanes: one test at a time, but for the waits for a server's start-up and the
-#      idle periods, which the two lanes may run side by side (tests/lanes.py).
+#      in two lanes: one test at a time, but for the waits for a server's start-up, the idle
+#      periods and the tests marked `overlappable` outside their measured windows, which the
+#      two lanes may run side by side (tests/lanes.py).
 # Extra arguments go to one plain pytest run instead, e.g. `bash scripts/test.sh -m "not slow"`
 # or `bash scripts/test.sh tests/test_pacer.py`.
 # `bash scripts/test.sh --fast`: the everyday tier, the same two phases over the tests marked
@@ -63,7 +64,7 @@ mapfile -t heavy_files < <(grep -l "pytest.mark.heavy" tests/test_*.py)
 "${pytest[@]}" -m "${only}serial and heavy and not timers" "${heavy_files[@]}" \
   || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
 # then the others in two lanes (tests/lanes.py): two workers, one module at a time each; a
-# worker has the machine to itself but while both wait for a server's start-up or idle
+# worker has the machine to itself but in its regions (start-ups, idles, overlappable tests)
 # (the fast tier has no such test today: one process collects in half the CPU of two)
 lane_workers=2
 [ -z "$only" ] || lane_workers=0
