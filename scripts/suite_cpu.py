@@ -6,9 +6,13 @@ It samples the machine's busy CPU time (/proc/stat, every core, every process: r
 otherwise idle machine) every second while the suite runs, then reads the phases' lengths
 from test.sh's last line and prints, per phase, the wall time, the busy core-seconds and the
 share of the machine's cores they kept busy. The sum of the busy core-seconds divided by the
-number of cores is the shortest the suite could take here if nothing ever waited. Standard
-library only: it runs before the set-up has made the virtual environment. Exits with
-test.sh's status."""
+number of cores is the shortest the suite could take here if nothing ever waited.
+
+It also has every test write when it started and ended (tests/conftest.py, the
+KEEPALIVE_TEST_EVENTS file), shares out each second's busy CPU among the tests running in it
+(evenly: the tests side by side in phase 1 get equal shares, whatever each really used), and
+prints the tests and the test files that took the most. Standard library only: it runs before
+the set-up has made the virtual environment. Exits with test.sh's status."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -48,8 +53,10 @@ def main(argv: list[str]) -> int:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
+    events = Path(tempfile.mkstemp(prefix="keepalive-test-events-")[1])
     proc = subprocess.Popen(["bash", str(REPO / "scripts" / "test.sh"), *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "KEEPALIVE_TEST_EVENTS": str(events)})
     phases = None
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -61,6 +68,10 @@ def main(argv: list[str]) -> int:
     status = proc.wait()
     done.set()
     sampler.join()
+    try:
+        by_test(samples, events.read_text())
+    finally:
+        events.unlink()
     if phases is None:
         print("suite_cpu: test.sh printed no phase times (a run with arguments has one phase)")
         return status
@@ -76,6 +87,42 @@ def main(argv: list[str]) -> int:
     print(f"suite_cpu: both phases: {total:.0f} busy core-seconds, {total / cores:.0f} s on "
           f"{cores} cores kept busy all the time")
     return status
+
+
+def by_test(samples: list[tuple[float, float]], events: str, top: int = 25) -> None:
+    """Print the tests and the test files that took the most busy CPU (see the docstring)."""
+    started: dict[str, float] = {}
+    spans: list[tuple[float, float, str]] = []
+    for line in events.splitlines():
+        when, what, venv, nodeid = line.split(" ", 3)
+        name = nodeid if venv == ".venv" else f"[{venv}] {nodeid}"
+        if what == "start":
+            started[name] = float(when)
+        elif name in started:
+            spans.append((started.pop(name), float(when), name))
+    if not spans:
+        return
+    cpu: dict[str, float] = {}
+    outside = 0.0
+    for (t0, b0), (t1, b1) in zip(samples, samples[1:], strict=False):
+        mid = (t0 + t1) / 2
+        running = [name for start, end, name in spans if start <= mid < end]
+        for name in running:
+            cpu[name] = cpu.get(name, 0.0) + (b1 - b0) / len(running)
+        if not running:
+            outside += b1 - b0
+    files: dict[str, float] = {}
+    for name, c in cpu.items():
+        file = name.split("::")[0]
+        files[file] = files.get(file, 0.0) + c
+    print(f"suite_cpu: the {top} tests that took the most busy core-seconds (their set-up "
+          "and teardown included: a shared fixture counts for the test that started it):")
+    for name, c in sorted(cpu.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"suite_cpu: {c:7.0f}  {name}")
+    print("suite_cpu: per test file:")
+    for file, c in sorted(files.items(), key=lambda kv: -kv[1]):
+        print(f"suite_cpu: {c:7.0f}  {file}")
+    print(f"suite_cpu: {outside:7.0f}  outside any test (set-up, ruff, collection, start-up)")
 
 
 if __name__ == "__main__":

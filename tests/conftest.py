@@ -95,6 +95,28 @@ def pytest_runtest_teardown(item, nextitem) -> None:
         lanes.release()
 
 
+#: scripts/suite_cpu.py points this at a file: every test appends when it started and ended
+#: (set-up to teardown), and suite_cpu shares out each second's busy CPU among the tests
+#: running in it
+EVENTS_ENV = "KEEPALIVE_TEST_EVENTS"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get(EVENTS_ENV)
+    if path:
+        _event(path, "start", item.nodeid)
+    yield
+    if path:
+        _event(path, "end", item.nodeid)
+
+
+def _event(path: str, what: str, nodeid: str) -> None:
+    # one write of one short line in append mode: the workers' lines never interleave
+    with open(path, "a") as f:
+        f.write(f"{time.time():.3f} {what} {os.path.basename(sys.prefix)} {nodeid}\n")
+
+
 def run_ranks(scenario: str, world: int, *, timeout_s: float, wall_s: float, **kw) -> dict:
     """Run ``dist_scenarios.<scenario>`` on ``world`` spawned ranks; return {rank: result}.
 
