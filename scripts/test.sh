@@ -12,8 +12,10 @@
 # or `bash scripts/test.sh tests/test_pacer.py`.
 # `bash scripts/test.sh --fast`: the everyday tier, the same two phases over the tests marked
 # `fast` only (pure and property tests, a few in-process engine runs; at most 5 minutes).
-# The whole run also runs the no-engine tier on vLLM 0.33 and 0.34, each in a venv of its own,
-# beside phase 1 (scripts/test_versions.sh; KEEPALIVE_SKIP_VERSIONS=1 skips it).
+# The whole run also runs the no-engine tier on vLLM 0.33 and 0.34, each in a venv of its own
+# (scripts/test_versions.sh; KEEPALIVE_SKIP_VERSIONS=1 skips it): the venvs' set-up beside
+# phase 1, the tests beside phase 2's heavy tests and lanes as their guest, which runs only
+# while no test there has the machine to itself (tests/lanes.py).
 set -euo pipefail
 only=""  # a marker expression the two phases are limited to
 if [ "${1:-}" = "--fast" ]; then
@@ -33,24 +35,23 @@ if [ $# -gt 0 ]; then
 fi
 status=0
 start=$(date +%s)
-# The no-engine tier runs beside phase 1 (one pytest worker per release, one release after the
-# other): phase 1's tests assert no time bound, so more load only slows them, and the tier's
-# tests are phase-1 tests themselves (the same modules run there on 0.32).
-tier_pid=""
-if [ -z "$only" ] && [ -z "${KEEPALIVE_SKIP_VERSIONS:-}" ]; then
+# The no-engine tier's venvs are set up beside phase 1 (one release after the other): phase 1's
+# tests assert no time bound, so more load only slows them.
+tier=""
+[ -n "$only" ] || [ -n "${KEEPALIVE_SKIP_VERSIONS:-}" ] || tier=1
+if [ -n "$tier" ]; then
   tier_log="$(mktemp)"
-  KEEPALIVE_VERSIONS_WORKERS=1 bash "$repo/scripts/test_versions.sh" >"$tier_log" 2>&1 &
+  bash "$repo/scripts/test_versions.sh" --setup-only >"$tier_log" 2>&1 &
   tier_pid=$!
 fi
 "${pytest[@]}" -n 2 --dist loadgroup -m "${only}not serial" tests || status=$?
-if [ -n "$tier_pid" ]; then
+if [ -n "$tier" ]; then
   tier_status=0
   wait "$tier_pid" || tier_status=$?
   cat "$tier_log"
-  rm -f "$tier_log"
-  echo "test.sh: the no-engine tier on vLLM 0.33 and 0.34 (set-up included), beside phase 1:" \
-       "ended after $(($(date +%s) - start)) s; exit status $tier_status"
-  [ "$tier_status" -eq 0 ] || status=$tier_status
+  echo "test.sh: the no-engine tier's venvs (vLLM 0.33 and 0.34), set up beside phase 1:" \
+       "ready after $(($(date +%s) - start)) s; exit status $tier_status"
+  if [ "$tier_status" -ne 0 ]; then status=$tier_status; tier=""; fi
 fi
 phase1=$(date +%s)
 # (only the files that hold such tests: each of the four workers would otherwise import
@@ -59,19 +60,37 @@ mapfile -t timer_files < <(grep -l "pytest.mark.timers" tests/test_*.py)
 # (pytest's exit code 5: no test matched, as in a tier without such tests)
 "${pytest[@]}" -n 4 -m "${only}serial and timers" "${timer_files[@]}" \
   || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
-# then those whose servers take most of the memory, alone
+# The rest shares one lock (tests/lanes.py). Its guest, the no-engine tier on vLLM 0.33 and
+# 0.34 (one test at a time, the lock shared), runs whenever no test holds the machine.
+lanes_lock="$(mktemp)"
+export KEEPALIVE_SERIAL_LANES="$lanes_lock"
+if [ -n "$tier" ]; then
+  KEEPALIVE_LANES_GUEST=1 bash "$repo/scripts/test_versions.sh" --no-setup >"$tier_log" 2>&1 &
+  tier_pid=$!
+fi
+# then those whose servers take most of the memory, alone but for their start-ups: one lane
 mapfile -t heavy_files < <(grep -l "pytest.mark.heavy" tests/test_*.py)
 "${pytest[@]}" -m "${only}serial and heavy and not timers" "${heavy_files[@]}" \
   || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
-# then the others in two lanes (tests/lanes.py): two workers, one module at a time each; a
-# worker has the machine to itself but in its regions (start-ups, idles, overlappable tests)
+# then the others in two lanes: two workers, one module at a time each; a worker has the
+# machine to itself but in its regions (start-ups, idles, overlappable tests)
 # (the fast tier has no such test today: one process collects in half the CPU of two)
 lane_workers=2
 [ -z "$only" ] || lane_workers=0
-lanes_lock="$(mktemp)"
-KEEPALIVE_SERIAL_LANES="$lanes_lock" "${pytest[@]}" -n "$lane_workers" --dist loadfile \
+"${pytest[@]}" -n "$lane_workers" --dist loadfile \
   -m "${only}serial and not timers and not heavy" tests || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }
-rm -f "$lanes_lock"
+if [ -n "$tier" ]; then
+  lanes_end=$(date +%s)
+  tier_status=0
+  wait "$tier_pid" || tier_status=$?
+  cat "$tier_log"
+  echo "test.sh: the no-engine tier on vLLM 0.33 and 0.34, the lanes' guest: ended" \
+       "$(($(date +%s) - lanes_end)) s after the lanes; exit status $tier_status"
+  [ "$tier_status" -eq 0 ] || status=$tier_status
+  rm -f "$tier_log"
+fi
+unset KEEPALIVE_SERIAL_LANES
+rm -f "$lanes_lock" "$lanes_lock.turnstile"
 end=$(date +%s)
 echo "test.sh: phase 1 (two at a time) $((phase1 - start)) s, phase 2 (serial)" \
      "$((end - phase1)) s, in all $((end - start)) s; exit status $status"

@@ -41,10 +41,18 @@ def pytest_sessionstart(session) -> None:
     """In the serial phase's two lanes (tests/lanes.py), a worker waits for a server's
     start-up in an overlappable region. Wrapped here, not in servers.py: the lanes belong to
     this test session, while servers.py is shared with the scripts that compute the cached
-    references and with the benchmarks (and its source is part of the references' keys)."""
+    references and with the benchmarks (and its source is part of the references' keys).
+    A guest of the lanes (the no-engine tier beside them) holds the lock shared from here:
+    its collection imports vLLM, which must not run beside a lane's measured moments."""
     import lanes
 
     if not lanes.active():
+        return
+    if lanes.guest():
+        if getattr(session.config.option, "numprocesses", None):
+            raise pytest.UsageError("a guest of the lanes runs in one process (-n 0): it is "
+                                    "the process that holds the lock for each test")
+        lanes.visit()
         return
     from launchers import LaunchedServer
     from servers import Server, TorchrunServer
@@ -78,6 +86,7 @@ def pytest_runtest_setup(item) -> None:
     # is a region of its lane, but for the windows it measures alone (tests/lanes.py)
     lanes.hold()
     lanes.start_test(item.get_closest_marker("overlappable") is not None)
+    lanes.visit()  # a guest's test: the lock shared
     if item.nodeid in _UNGROUPED:
         pytest.fail(f"--dist loadgroup did not group this test (marked xdist_group) under "
                     f"pytest {pytest.__version__}: the tests sharing its engine would each "
@@ -88,10 +97,12 @@ def pytest_runtest_setup(item) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem) -> None:
     """After a lane's last test, and its fixtures' teardown, it gives the machine up (xdist
-    runs a worker's last test only once it knows no other follows)."""
-    if nextitem is None:
-        import lanes
+    runs a worker's last test only once it knows no other follows). A guest lets go after
+    each of its tests."""
+    import lanes
 
+    lanes.leave()
+    if nextitem is None:
         lanes.release()
 
 

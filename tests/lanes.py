@@ -30,6 +30,13 @@ while the other waits. Every acquisition therefore queues first on a second lock
 turnstile, which a worker waiting for exclusivity keeps until it has it: the other worker
 cannot take the main lock again in any mode meanwhile, so the two take turns.
 
+A guest (``KEEPALIVE_LANES_GUEST`` set beside ``KEEPALIVE_SERIAL_LANES``: the no-engine
+tier on vLLM 0.33 and 0.34, a pytest session of another venv, whose tests assert no time
+bound) holds the lock shared for each of its tests and for its collection, and nothing
+between them: it runs beside regions, fills the CPU they leave idle, and never runs while a
+lane holds the machine. A lane that waits for the machine waits at most for the guest's test
+in progress (the turnstile keeps the guest from starting another meanwhile).
+
 Without ``KEEPALIVE_SERIAL_LANES`` (any other run, and the scripts that compute the cached
 references) nothing here takes a lock.
 """
@@ -45,10 +52,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["ENV", "active", "hold", "release", "start_test", "overlappable", "alone", "wrap",
-           "idle"]
+__all__ = ["ENV", "GUEST_ENV", "active", "guest", "hold", "release", "start_test", "visit",
+           "leave", "overlappable", "alone", "wrap", "idle"]
 
 ENV = "KEEPALIVE_SERIAL_LANES"
+GUEST_ENV = "KEEPALIVE_LANES_GUEST"
 
 #: no wait for the lock is longer than a whole serial phase: past it, something holds it that
 #: never lets go, and the run fails saying so instead of hanging
@@ -64,6 +72,10 @@ _state: dict[str, Any] = {"fd": None, "turn": None, "mode": None, "regions": 0,
 
 def active() -> bool:
     return bool(os.environ.get(ENV))
+
+
+def guest() -> bool:
+    return active() and bool(os.environ.get(GUEST_ENV))
 
 
 def _flock(fd: int, mode: int) -> None:
@@ -100,12 +112,37 @@ def _ensure(mode: int) -> None:
 def hold() -> None:
     """Open the lock files and take the lock exclusively (before this process's first test);
     it is held until ``release`` after its last test, or until the process exits."""
-    if not active() or _state["fd"] is not None:
+    if not active() or guest() or _state["fd"] is not None:
         return
+    _open()
+    _ensure(fcntl.LOCK_EX)
+
+
+def _open() -> None:
     path = os.environ[ENV]
     _state["fd"] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     _state["turn"] = os.open(path + ".turnstile", os.O_RDWR | os.O_CREAT, 0o600)
-    _ensure(fcntl.LOCK_EX)
+
+
+def visit() -> None:
+    """A guest's turn (its collection, each of its tests): the lock held shared, taken in
+    turn behind a lane that waits for the machine."""
+    if not guest():
+        return
+    with _mutex:
+        if _state["fd"] is None:
+            _open()
+        _ensure(fcntl.LOCK_SH)
+
+
+def leave() -> None:
+    """Between a guest's turns: nothing held, so a lane waiting for the machine takes it."""
+    if not guest():
+        return
+    with _mutex:
+        if _state["fd"] is not None and _state["mode"] is not None:
+            fcntl.flock(_state["fd"], fcntl.LOCK_UN)
+            _state["mode"] = None
 
 
 def release() -> None:
@@ -121,6 +158,8 @@ def start_test(overlappable_test: bool) -> None:
     """Before a test's set-up: a test marked overlappable is a region until the next test
     starts (no exclusive turn in between when that one is overlappable too); any other holds
     the lock exclusively but in its own regions."""
+    if guest():
+        return
     with _mutex:
         _state["regions"] = 1 if overlappable_test else 0
         _ensure(fcntl.LOCK_SH if overlappable_test else fcntl.LOCK_EX)
@@ -131,7 +170,7 @@ def overlappable() -> Iterator[None]:
     """A region that may run beside the other worker's region (the lock held shared). Entering
     waits while the other worker holds the lock exclusively; leaving waits until its region,
     if it is in one, has ended."""
-    if _state["fd"] is None:
+    if _state["fd"] is None or guest():
         yield
         return
     with _mutex:
@@ -153,7 +192,7 @@ def alone() -> Iterator[None]:
     kill and what follows): the machine to itself for the window's length. Entering waits
     until the other worker's region, if any, has ended; regions entered meanwhile (a server
     started in the window) stay exclusive."""
-    if _state["fd"] is None or _state["alone"]:
+    if _state["fd"] is None or _state["alone"] or guest():
         yield
         return
     with _mutex:

@@ -196,3 +196,76 @@ def test_an_overlappable_test_is_a_region_until_a_test_that_is_not_starts(lanes,
     assert can_take(probe, fcntl.LOCK_SH)
     lanes.start_test(False)
     assert not can_take(probe, fcntl.LOCK_SH)
+
+
+@pytest.fixture
+def guest(tmp_path, monkeypatch):
+    """A fresh copy of the module as the lanes' guest (the no-engine tier beside them)."""
+    monkeypatch.setenv("KEEPALIVE_SERIAL_LANES", str(tmp_path / "lanes.lock"))
+    monkeypatch.setenv("KEEPALIVE_LANES_GUEST", "1")
+    module = _fresh_copy("guest_under_test")
+    yield module
+    module.release()
+
+
+def test_a_guest_runs_beside_regions_and_never_while_a_lane_holds_the_machine(guest, probe):
+    fcntl.flock(probe, fcntl.LOCK_EX)  # a lane in its test
+    visited = threading.Event()
+    t = threading.Thread(target=lambda: (guest.visit(), visited.set()), daemon=True)
+    t.start()
+    assert not visited.wait(0.5)  # the guest's next test waits for the lane's to end
+    fcntl.flock(probe, fcntl.LOCK_SH)  # the lane enters a region
+    assert visited.wait(30)
+    t.join(30)
+    fcntl.flock(probe, fcntl.LOCK_UN)
+    # the guest's test in progress: a lane's region may run beside it, a lane's test may not
+    assert can_take(probe, fcntl.LOCK_SH) and not can_take(probe, fcntl.LOCK_EX)
+    guest.leave()  # between the guest's tests nothing is held
+    assert can_take(probe, fcntl.LOCK_EX)
+    # what makes a lane take the machine makes a guest take nothing more than its share
+    guest.visit()
+    guest.hold()
+    guest.start_test(False)
+    with guest.overlappable(), guest.alone():
+        assert can_take(probe, fcntl.LOCK_SH) and not can_take(probe, fcntl.LOCK_EX)
+    guest.leave()
+    assert can_take(probe, fcntl.LOCK_EX)
+
+
+def test_a_lane_waiting_for_the_machine_takes_it_before_the_guests_next_test(guest):
+    """The guest's tests follow each other within microseconds (most take milliseconds): a
+    lane that waits for the machine gets it once the guest's test in progress has ended."""
+    lane = _fresh_copy("a_lane")
+    lane.guest = lambda: False  # this copy is a lane, in the guest's environment
+    guest.visit()  # the guest's test in progress
+    tests_run: list[int] = []
+    at: list[int] = []
+
+    def guest_tests() -> None:
+        guest.leave()
+        for _ in range(100):
+            guest.visit()
+            time.sleep(0.002)
+            guest.leave()
+            tests_run.append(1)
+
+    def waiting_lane() -> None:
+        lane.hold()
+        at.append(len(tests_run))
+        lane.release()
+
+    b = threading.Thread(target=waiting_lane)
+    b.start()
+    turnstile = os.open(os.environ["KEEPALIVE_SERIAL_LANES"] + ".turnstile", os.O_RDWR)
+    try:
+        deadline = time.monotonic() + 30
+        while can_take(turnstile, fcntl.LOCK_EX) and time.monotonic() < deadline:
+            time.sleep(0.005)  # until the lane queues (it keeps the turnstile)
+    finally:
+        os.close(turnstile)
+    a = threading.Thread(target=guest_tests)
+    a.start()
+    a.join(60)
+    b.join(60)
+    assert at and at[0] <= 1, (at, len(tests_run))
+    assert len(tests_run) == 100
