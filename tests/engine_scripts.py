@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any
 
+import handoff
+
 PROMPTS = [
     "Hello, my name is",
     "The capital of France is",
@@ -252,6 +254,7 @@ def step_stall(model: str, short_s: float, long_s: float, cpu_timeout_s: int) ->
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(model, 2, "keepalive", cpu_distributed_timeout_seconds=cpu_timeout_s))
+    handoff.started()  # the serial phase's lanes: the start-up above measures nothing
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     result: dict[str, Any] = {"short": llm.collective_rpc(sleep_on_rank0, args=(short_s,))}
     result["generate_after_short"] = len(llm.generate(PROMPTS, params, use_tqdm=False))
@@ -294,6 +297,7 @@ def inprocess_holes(model: str, fault_dir: str, backend: str = "keepalive") -> d
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(model, 2, backend, worker_cls="fault_injection.FaultyCPUWorker"))
+    handoff.started()  # the serial phase's lanes: the start-up above measures nothing
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     gen = lambda: [list(o.outputs[0].token_ids)  # noqa: E731
                    for o in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -374,6 +378,7 @@ def inprocess_rpc_errors(model: str, backend: str = "keepalive", fault_dir: str 
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(model, 2, backend))
+    handoff.started()  # the serial phase's lanes: the start-up above measures nothing
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     gen = lambda: [list(o.outputs[0].token_ids)  # noqa: E731
                    for o in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -517,6 +522,7 @@ def pp_shutdown_in_flight(model: str, fault_dir: str, no_drain: bool = False,
     llm = LLM(**engine_kwargs(model, 1, backend, pipeline_parallel_size=2,
                               max_num_batched_tokens=64,
                               worker_cls="fault_injection.FaultyCPUWorker"))
+    handoff.started()  # the serial phase's lanes: the start-up above measures nothing
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     before = len(llm.generate(PROMPTS[:2], params, use_tqdm=False))  # the pipeline works
     core = llm.llm_engine.engine_core.engine_core

@@ -18,7 +18,9 @@ time, which it measures alone. A
 start-up measures nothing here: its collectives run under the start-up timeout
 (keepalive_executor/startup_timeouts.py), and one start-up keeps about one core of the two
 busy (its processes import vLLM one after another), so two side by side take about as long as
-one. Start-ups whose time is the claim run in a script (``run_script``), never in a region.
+one. A start-up in a script (``run_script``) is a region only through ``start_up_in_region``
+(the script calls ``handoff.started()`` once its engine is up): a test whose claim is about
+its start-up does not use it.
 When a region ends, the worker waits for exclusivity again before its test goes on: the
 servers it started idle meanwhile, which a keepalive server survives by design and which a
 negative control (no keepalives) may not (test_serve.py's and test_pipeline.py's controls
@@ -46,14 +48,17 @@ from __future__ import annotations
 import fcntl
 import functools
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import handoff
+
 __all__ = ["ENV", "GUEST_ENV", "active", "guest", "hold", "release", "start_test", "visit",
-           "leave", "overlappable", "alone", "wrap", "idle"]
+           "leave", "overlappable", "alone", "wrap", "idle", "start_up_in_region"]
 
 ENV = "KEEPALIVE_SERIAL_LANES"
 GUEST_ENV = "KEEPALIVE_LANES_GUEST"
@@ -223,3 +228,34 @@ def idle(seconds: float) -> None:
     ``seconds`` at least, longer if the other's region outlasts it."""
     with overlappable():
         time.sleep(seconds)
+
+
+def start_up_in_region(run: Callable[[dict[str, str]], Any]) -> Any:
+    """``run(extra_env)`` starts a script whose engine, once started, calls
+    ``handoff.started()``: its start-up runs in a region, and the script goes on only once
+    this lane has the machine to itself again (its engine idles meanwhile, which a keepalive
+    engine survives by design). Returns what ``run`` returns. Without the lanes, or for a
+    script that ends before it said it had started, this only runs it."""
+    if _state["fd"] is None or guest():
+        return run({})
+    with tempfile.TemporaryDirectory(prefix="keepalive-handoff-") as where:
+        box: dict[str, Any] = {}
+
+        def script() -> None:
+            try:
+                box["result"] = run({handoff.ENV: where})
+            except BaseException as e:  # noqa: BLE001 (raised again below)
+                box["error"] = e
+
+        thread = threading.Thread(target=script, daemon=True)
+        thread.start()
+        with overlappable():
+            while thread.is_alive() and not os.path.exists(os.path.join(where, handoff.STARTED)):
+                time.sleep(0.05)
+        # the machine is this lane's again: what the script measures may begin
+        with open(os.path.join(where, handoff.GO), "w"):
+            pass
+        thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

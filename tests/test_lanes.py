@@ -8,6 +8,8 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -134,6 +136,7 @@ def test_without_the_variable_nothing_takes_a_lock(lanes, probe, monkeypatch):
     with lanes.overlappable():
         assert can_take(probe, fcntl.LOCK_EX)
     assert can_take(probe, fcntl.LOCK_EX)
+    assert lanes.start_up_in_region(lambda env: env) == {}  # no hand-over asked of a script
 
 
 def test_a_lane_waiting_for_the_machine_gets_it_before_the_other_takes_it_back(lanes):
@@ -269,3 +272,46 @@ def test_a_lane_waiting_for_the_machine_takes_it_before_the_guests_next_test(gue
     b.join(60)
     assert at and at[0] <= 1, (at, len(tests_run))
     assert len(tests_run) == 100
+
+
+SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import handoff
+marks = sys.argv[1]
+open(marks + ".up", "w").close()  # its engine's start-up, in progress
+while not os.path.exists(marks + ".proceed"):
+    time.sleep(0.01)
+handoff.started()
+print(time.time())  # what it measures begins
+"""
+
+
+def test_a_scripts_start_up_is_a_region_and_what_it_measures_waits_for_the_machine(
+        lanes, probe, tmp_path):
+    lanes.hold()
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT.format(tests=str(HERE)))
+    marks = str(tmp_path / "marks")
+    box: dict = {}
+
+    def run(env: dict) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), marks], env={**os.environ, **env},
+                              capture_output=True, text=True, timeout=60)
+
+    t = threading.Thread(target=lambda: box.update(r=lanes.start_up_in_region(run)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(marks + ".up") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert can_take(probe, fcntl.LOCK_SH) and not can_take(probe, fcntl.LOCK_EX)  # a region
+    fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the other lane's region, beside it
+    Path(marks + ".proceed").touch()  # the start-up is over
+    time.sleep(0.5)
+    assert t.is_alive()  # the script waits for the machine
+    released_at = time.time()
+    fcntl.flock(probe, fcntl.LOCK_UN)  # the other lane's region ends
+    t.join(60)
+    assert box["r"].returncode == 0, box["r"].stderr
+    assert float(box["r"].stdout) >= released_at
+    assert not can_take(probe, fcntl.LOCK_SH)  # the lane has the machine again

@@ -106,8 +106,9 @@ def test_pp_shutdown_with_two_batches_in_flight_receives_them_then_stops_cleanly
     grace and 4 s more (measured 14.5 s). Without the stall and the wait for both broadcasts the old
     order passed in CI twice (1.2 s and 1.3 s, code 0): rank 1 had sent both outputs before
     shutdown stopped the receiving thread, or the second step was never sent."""
-    res = run_script("pp_shutdown_in_flight", model=tiny_model, fault_dir=str(tmp_path),
-                     no_drain=no_drain, extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    res = lanes.start_up_in_region(lambda env: run_script(
+        "pp_shutdown_in_flight", model=tiny_model, fault_dir=str(tmp_path), no_drain=no_drain,
+        extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}))
     print(res)
     assert res["before"] == 2 and res["in_flight"] == 2 and res["broadcast"] == 2, res
     if no_drain:

@@ -2,6 +2,7 @@
 
 import os
 
+import lanes
 import pytest
 from run_engine import HERE, run_script
 
@@ -16,7 +17,9 @@ def test_stall_inside_a_step_short_survives_long_fails_clearly(tiny_model):
     # out at 6 s and rank 1 exits; rank 0 is still asleep inside the call, so the call is
     # given up 0.5 s (the failure grace) after rank 1's death: the caller's error names the
     # death, and arrives after rank 1's timeout and before rank 0's 9 s would have ended.
-    res = run_script("step_stall", model=tiny_model, short_s=3.0, long_s=9.0, cpu_timeout_s=6)
+    res = lanes.start_up_in_region(lambda env: run_script(
+        "step_stall", model=tiny_model, short_s=3.0, long_s=9.0, cpu_timeout_s=6,
+        extra_env=env))
     assert res["short"] == [0, 1]
     assert res["generate_after_short"] == 4
     assert res["long_error"] is not None and "worker rank 1" in res["long_error"], res
@@ -43,9 +46,11 @@ def test_in_process_holes_bad_input_undecodable_call_concurrent_rpc_and_a_rank0_
         tiny_model, tmp_path):
     fault_dir = tmp_path / "faults"
     fault_dir.mkdir()
-    res = run_script("inprocess_holes", model=tiny_model, fault_dir=str(fault_dir), extra_env={
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
-        "KEEPALIVE_FAULT_DIR": str(fault_dir), "VLLM_KEEPALIVE_MAX_PAYLOAD_BYTES": str(1 << 20)})
+    res = lanes.start_up_in_region(lambda env: run_script(
+        "inprocess_holes", model=tiny_model, fault_dir=str(fault_dir), extra_env={
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
+            "KEEPALIVE_FAULT_DIR": str(fault_dir),
+            "VLLM_KEEPALIVE_MAX_PAYLOAD_BYTES": str(1 << 20), **env}))
     # 0. an over-size or unpicklable argument is refused before anything is sent: the
     #    channel stays in sync, a small argument still arrives, the answers stay the same
     assert res["oversize"].startswith("PayloadTooLargeError")
@@ -117,9 +122,10 @@ def test_in_process_rpc_errors_notebook_function_in_step_error_and_rank0_error_b
         tiny_model):
     """Issue 14 items 9 and 2 in one in-process engine (the fatal check last)."""
     # a failure grace other than the default, so the figure shows the setting is honoured
-    res = run_script("inprocess_rpc_errors", model=tiny_model, extra_env={
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
-        "VLLM_KEEPALIVE_FAILURE_GRACE_S": "1.5"})
+    res = lanes.start_up_in_region(lambda env: run_script(
+        "inprocess_rpc_errors", model=tiny_model, extra_env={
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": PYTHONPATH,
+            "VLLM_KEEPALIVE_FAILURE_GRACE_S": "1.5", **env}))
     # the fused decode step is one broadcast: 16 greedy tokens, 16 steps, 16 frames
     assert res["steps"] == 16 and res["step_broadcasts"] == 16, res
     # 9. a function the other ranks cannot import travels by value, as under mp
