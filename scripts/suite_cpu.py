@@ -93,10 +93,14 @@ def by_test(samples: list[tuple[float, float]], events: str, top: int = 25) -> N
     """Print the tests and the test files that took the most busy CPU (see the docstring)."""
     started: dict[str, float] = {}
     spans: list[tuple[float, float, str]] = []
+    held: dict[str, list[float]] = {}
     for line in events.splitlines():
         when, what, venv, nodeid = line.split(" ", 3)
         name = nodeid if venv == ".venv" else f"[{venv}] {nodeid}"
-        if what == "start":
+        if what == "lanes":
+            name, _, figures = name.partition("\t")
+            held[name] = [float(f) for f in figures.split()]
+        elif what == "start":
             started[name] = float(when)
         elif name in started:
             spans.append((started.pop(name), float(when), name))
@@ -123,6 +127,14 @@ def by_test(samples: list[tuple[float, float]], events: str, top: int = 25) -> N
     for file, c in sorted(files.items(), key=lambda kv: -kv[1]):
         print(f"suite_cpu: {c:7.0f}  {file}")
     print(f"suite_cpu: {outside:7.0f}  outside any test (set-up, ruff, collection, start-up)")
+    if held:
+        # the lanes (tests/lanes.py): what held the machine to itself is the serial part
+        ex, sh, wait = (sum(f[i] for f in held.values()) for i in range(3))
+        print(f"suite_cpu: the lanes' lock, in all: held exclusively {ex:.0f} s, shared "
+              f"{sh:.0f} s, waited for {wait:.0f} s; the tests that held it exclusively longest "
+              "(exclusive / shared / waited, s):")
+        for name, f in sorted(held.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"suite_cpu: {f[0]:6.0f} {f[1]:6.0f} {f[2]:6.0f}  {name}")
 
 
 if __name__ == "__main__":

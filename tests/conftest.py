@@ -119,7 +119,13 @@ def pytest_runtest_protocol(item, nextitem):
         _event(path, "start", item.nodeid)
     yield
     if path:
+        import lanes
+
         _event(path, "end", item.nodeid)
+        if lanes.active():  # how long it held the lanes' lock, in which mode, and waited
+            figures = lanes.spent()
+            _event(path, "lanes", item.nodeid + "\t" + " ".join(
+                f"{figures[k]:.1f}" for k in ("exclusive", "shared", "waiting")))
 
 
 def _event(path: str, what: str, nodeid: str) -> None:

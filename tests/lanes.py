@@ -58,7 +58,7 @@ from typing import Any
 import handoff
 
 __all__ = ["ENV", "GUEST_ENV", "active", "guest", "hold", "release", "start_test", "visit",
-           "leave", "overlappable", "alone", "wrap", "idle", "start_up_in_region"]
+           "leave", "overlappable", "alone", "wrap", "idle", "start_up_in_region", "spent"]
 
 ENV = "KEEPALIVE_SERIAL_LANES"
 GUEST_ENV = "KEEPALIVE_LANES_GUEST"
@@ -73,6 +73,12 @@ _mutex = threading.Lock()
 #: thread pool; the test itself, if marked overlappable); whether a window is alone
 _state: dict[str, Any] = {"fd": None, "turn": None, "mode": None, "regions": 0,
                           "alone": False}
+#: seconds spent since the last ``spent()``: holding the lock exclusively, holding it shared,
+#: waiting for it (what scripts/suite_cpu.py reports per test); and since when the current
+#: mode has been held
+_spent: dict[str, float] = {"exclusive": 0.0, "shared": 0.0, "waiting": 0.0}
+_since: list[float] = [0.0]
+_NAMES = {fcntl.LOCK_EX: "exclusive", fcntl.LOCK_SH: "shared"}
 
 
 def active() -> bool:
@@ -105,13 +111,38 @@ def _ensure(mode: int) -> None:
     if fd is None or _state["mode"] == mode:
         return
     fcntl.flock(fd, fcntl.LOCK_UN)
-    _state["mode"] = None
+    _account(None)
     _flock(turn, fcntl.LOCK_EX)
     try:
         _flock(fd, mode)
     finally:
         fcntl.flock(turn, fcntl.LOCK_UN)
+    _account(mode)
+
+
+def _account(mode: int | None) -> None:
+    """The mode changes to ``mode`` (None: not held, waiting or between a guest's tests):
+    the time in the mode before is added up."""
+    now = time.monotonic()
+    before = _state["mode"]
+    if before is not None:
+        _spent[_NAMES[before]] += now - _since[0]
+    elif _state["fd"] is not None and _since[0] and mode is not None:
+        _spent["waiting"] += now - _since[0]
     _state["mode"] = mode
+    _since[0] = now
+
+
+def spent() -> dict[str, float]:
+    """The seconds held exclusively, held shared and waited for since the last call (a test's,
+    when conftest calls it at each test's end), which start again from zero."""
+    with _mutex:
+        if _state["fd"] is not None:
+            _account(_state["mode"])
+        out = dict(_spent)
+        for k in _spent:
+            _spent[k] = 0.0
+        return out
 
 
 def hold() -> None:
@@ -147,11 +178,15 @@ def leave() -> None:
     with _mutex:
         if _state["fd"] is not None and _state["mode"] is not None:
             fcntl.flock(_state["fd"], fcntl.LOCK_UN)
-            _state["mode"] = None
+            _account(None)
+            _since[0] = 0.0  # not held, and not waiting either
 
 
 def release() -> None:
     """Give the machine up for good (after this process's last test)."""
+    if _state["fd"] is not None:
+        _account(None)
+        _since[0] = 0.0
     for name in ("fd", "turn"):
         if _state[name] is not None:
             os.close(_state[name])
@@ -234,8 +269,8 @@ def start_up_in_region(run: Callable[[dict[str, str]], Any]) -> Any:
     """``run(extra_env)`` starts a script whose engine, once started, calls
     ``handoff.started()``: its start-up runs in a region, and the script goes on only once
     this lane has the machine to itself again (its engine idles meanwhile, which a keepalive
-    engine survives by design). Returns what ``run`` returns. Without the lanes, or for a
-    script that ends before it said it had started, this only runs it."""
+    engine survives by design), which it keeps until the script has ended, in a test marked
+    overlappable too. Returns what ``run`` returns. Without the lanes this only runs it."""
     if _state["fd"] is None or guest():
         return run({})
     with tempfile.TemporaryDirectory(prefix="keepalive-handoff-") as where:
@@ -252,10 +287,10 @@ def start_up_in_region(run: Callable[[dict[str, str]], Any]) -> Any:
         with overlappable():
             while thread.is_alive() and not os.path.exists(os.path.join(where, handoff.STARTED)):
                 time.sleep(0.05)
-        # the machine is this lane's again: what the script measures may begin
-        with open(os.path.join(where, handoff.GO), "w"):
-            pass
-        thread.join()
+        with alone():  # (in a test marked overlappable too) what the script measures
+            with open(os.path.join(where, handoff.GO), "w"):
+                pass
+            thread.join()
     if "error" in box:
         raise box["error"]
     return box["result"]

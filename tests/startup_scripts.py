@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import handoff
 from engine_scripts import PROMPTS, engine_kwargs, set_binding
 
 
@@ -31,6 +32,7 @@ def slow_profile_then_stall(model: str, timeout_s: int, stall_s: float, fault_di
         return {"started": False, "error": f"{type(e).__name__}: {e}",
                 "startup_s": time.monotonic() - t0}
     result: dict = {"started": True, "startup_s": time.monotonic() - t0}
+    handoff.started()  # the serial phase's lanes: what follows is measured alone
     from keepalive_executor import startup_timeouts
 
     result["still_raised"] = startup_timeouts.pending()

@@ -287,9 +287,11 @@ print(time.time())  # what it measures begins
 """
 
 
+@pytest.mark.parametrize("marked", [False, True], ids=["test", "overlappable-test"])
 def test_a_scripts_start_up_is_a_region_and_what_it_measures_waits_for_the_machine(
-        lanes, probe, tmp_path):
+        lanes, probe, tmp_path, marked):
     lanes.hold()
+    lanes.start_test(marked)
     script = tmp_path / "script.py"
     script.write_text(SCRIPT.format(tests=str(HERE)))
     marks = str(tmp_path / "marks")
@@ -299,7 +301,12 @@ def test_a_scripts_start_up_is_a_region_and_what_it_measures_waits_for_the_machi
         return subprocess.run([sys.executable, str(script), marks], env={**os.environ, **env},
                               capture_output=True, text=True, timeout=60)
 
-    t = threading.Thread(target=lambda: box.update(r=lanes.start_up_in_region(run)))
+    def in_region() -> None:
+        box["r"] = lanes.start_up_in_region(run)
+        # the script has ended: the machine stays this lane's, or a region in a marked test
+        box["after"] = can_take(probe, fcntl.LOCK_SH)
+
+    t = threading.Thread(target=in_region)
     t.start()
     deadline = time.monotonic() + 30
     while not os.path.exists(marks + ".up") and time.monotonic() < deadline:
@@ -314,4 +321,25 @@ def test_a_scripts_start_up_is_a_region_and_what_it_measures_waits_for_the_machi
     t.join(60)
     assert box["r"].returncode == 0, box["r"].stderr
     assert float(box["r"].stdout) >= released_at
-    assert not can_take(probe, fcntl.LOCK_SH)  # the lane has the machine again
+    assert box["after"] is marked
+
+
+def test_the_time_held_in_each_mode_and_waited_is_added_up_per_test(lanes, probe):
+    fcntl.flock(probe, fcntl.LOCK_EX)  # the other lane, in its test
+    t0 = time.monotonic()
+    t = threading.Thread(target=lanes.hold)
+    t.start()
+    time.sleep(0.3)
+    fcntl.flock(probe, fcntl.LOCK_UN)
+    t.join(30)
+    time.sleep(0.2)  # this lane's test
+    with lanes.overlappable():
+        time.sleep(0.2)  # its region
+    first = lanes.spent()
+    elapsed = time.monotonic() - t0
+    assert first["waiting"] >= 0.3 and first["exclusive"] >= 0.2 and first["shared"] >= 0.2
+    assert sum(first.values()) <= elapsed
+    time.sleep(0.1)
+    lanes.release()
+    second = lanes.spent()  # from the first call on only: the last exclusive stretch
+    assert second["exclusive"] >= 0.1 and second["waiting"] == second["shared"] == 0

@@ -95,6 +95,7 @@ SHUTDOWN_BOUND_S = 5.0
 # without any executor shutdown. The in-process scenario below keeps two batches in flight.
 
 
+@pytest.mark.overlappable  # but for what its script measures (lanes.start_up_in_region)
 @pytest.mark.parametrize("no_drain", [False, True], ids=["drain", "old-order-control"])
 def test_pp_shutdown_with_two_batches_in_flight_receives_them_then_stops_cleanly(
         tiny_model, tmp_path, no_drain):

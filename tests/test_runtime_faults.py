@@ -11,6 +11,7 @@ pytestmark = pytest.mark.serial  # alone on the machine: see pyproject.toml
 PYTHONPATH = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
 
 
+@pytest.mark.overlappable  # but for what its script measures (lanes.start_up_in_region)
 @pytest.mark.slow
 def test_stall_inside_a_step_short_survives_long_fails_clearly(tiny_model):
     # 9 s: past the 6 s timeout of the group rank 1 waits on. Rank 1's reply gather times
@@ -41,6 +42,7 @@ def test_negative_control_without_the_alive_wait_the_same_slow_start_fails(tiny_
     assert "Wait timeout" in res["error"]  # gloo's rendezvous gave up, as in the CI failure
 
 
+@pytest.mark.overlappable  # but for what its script measures (lanes.start_up_in_region)
 @pytest.mark.slow
 def test_in_process_holes_bad_input_undecodable_call_concurrent_rpc_and_a_rank0_step_error(
         tiny_model, tmp_path):
@@ -117,6 +119,7 @@ def test_a_slow_starting_worker_starts_then_killed_mid_step_fails_the_call_and_t
     assert res["later_error_s"] < 0.5, res  # at once, as above (observed 0.00 s)
 
 
+@pytest.mark.overlappable  # but for what its script measures (lanes.start_up_in_region)
 @pytest.mark.slow
 def test_in_process_rpc_errors_notebook_function_in_step_error_and_rank0_error_before_a_collective(
         tiny_model):
