@@ -51,7 +51,7 @@ if [ -n "$tier" ]; then
   cat "$tier_log"
   echo "test.sh: the no-engine tier's venvs (vLLM 0.33 and 0.34), set up beside phase 1:" \
        "ready after $(($(date +%s) - start)) s; exit status $tier_status"
-  if [ "$tier_status" -ne 0 ]; then status=$tier_status; tier=""; fi
+  if [ "$tier_status" -ne 0 ]; then status=$tier_status; tier=""; rm -f "$tier_log"; fi
 fi
 phase1=$(date +%s)
 # (only the files that hold such tests: each of the four workers would otherwise import

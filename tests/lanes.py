@@ -52,6 +52,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -65,19 +66,18 @@ GUEST_ENV = "KEEPALIVE_LANES_GUEST"
 
 #: no wait for the lock is longer than a whole serial phase: past it, something holds it that
 #: never lets go, and the run fails saying so instead of hanging
-WAIT_LIMIT_S = 3600.0
+WAIT_LIMIT_S = handoff.WAIT_LIMIT_S
 
 _mutex = threading.Lock()
 #: the descriptors of the main lock and the turnstile once held; the mode held; how many
 #: regions this process is inside (threads: a fixture starts several servers at once from a
 #: thread pool; the test itself, if marked overlappable); whether a window is alone
+#: (and since when the current mode has been held or waited for: 0 when neither)
 _state: dict[str, Any] = {"fd": None, "turn": None, "mode": None, "regions": 0,
-                          "alone": False}
+                          "alone": False, "since": 0.0}
 #: seconds spent since the last ``spent()``: holding the lock exclusively, holding it shared,
-#: waiting for it (what scripts/suite_cpu.py reports per test); and since when the current
-#: mode has been held
+#: waiting for it (what scripts/suite_cpu.py reports per test)
 _spent: dict[str, float] = {"exclusive": 0.0, "shared": 0.0, "waiting": 0.0}
-_since: list[float] = [0.0]
 _NAMES = {fcntl.LOCK_EX: "exclusive", fcntl.LOCK_SH: "shared"}
 
 
@@ -87,6 +87,12 @@ def active() -> bool:
 
 def guest() -> bool:
     return active() and bool(os.environ.get(GUEST_ENV))
+
+
+def _lane() -> bool:
+    """Whether this process is a lane with the lock open (regions and windows are a lane's:
+    in a guest, or without the lanes, they take nothing)."""
+    return _state["fd"] is not None and not guest()
 
 
 def _flock(fd: int, mode: int) -> None:
@@ -126,11 +132,10 @@ def _account(mode: int | None) -> None:
     now = time.monotonic()
     before = _state["mode"]
     if before is not None:
-        _spent[_NAMES[before]] += now - _since[0]
-    elif _state["fd"] is not None and _since[0] and mode is not None:
-        _spent["waiting"] += now - _since[0]
-    _state["mode"] = mode
-    _since[0] = now
+        _spent[_NAMES[before]] += now - _state["since"]
+    elif _state["fd"] is not None and _state["since"] and mode is not None:
+        _spent["waiting"] += now - _state["since"]
+    _state.update(mode=mode, since=now)
 
 
 def spent() -> dict[str, float]:
@@ -179,14 +184,14 @@ def leave() -> None:
         if _state["fd"] is not None and _state["mode"] is not None:
             fcntl.flock(_state["fd"], fcntl.LOCK_UN)
             _account(None)
-            _since[0] = 0.0  # not held, and not waiting either
+            _state["since"] = 0.0  # not held, and not waiting either
 
 
 def release() -> None:
     """Give the machine up for good (after this process's last test)."""
     if _state["fd"] is not None:
         _account(None)
-        _since[0] = 0.0
+        _state["since"] = 0.0
     for name in ("fd", "turn"):
         if _state[name] is not None:
             os.close(_state[name])
@@ -210,7 +215,7 @@ def overlappable() -> Iterator[None]:
     """A region that may run beside the other worker's region (the lock held shared). Entering
     waits while the other worker holds the lock exclusively; leaving waits until its region,
     if it is in one, has ended."""
-    if _state["fd"] is None or guest():
+    if not _lane():
         yield
         return
     with _mutex:
@@ -232,7 +237,7 @@ def alone() -> Iterator[None]:
     kill and what follows): the machine to itself for the window's length. Entering waits
     until the other worker's region, if any, has ended; regions entered meanwhile (a server
     started in the window) stay exclusive."""
-    if _state["fd"] is None or _state["alone"] or guest():
+    if not _lane() or _state["alone"]:
         yield
         return
     with _mutex:
@@ -271,26 +276,15 @@ def start_up_in_region(run: Callable[[dict[str, str]], Any]) -> Any:
     this lane has the machine to itself again (its engine idles meanwhile, which a keepalive
     engine survives by design), which it keeps until the script has ended, in a test marked
     overlappable too. Returns what ``run`` returns. Without the lanes this only runs it."""
-    if _state["fd"] is None or guest():
+    if not _lane():
         return run({})
-    with tempfile.TemporaryDirectory(prefix="keepalive-handoff-") as where:
-        box: dict[str, Any] = {}
-
-        def script() -> None:
-            try:
-                box["result"] = run({handoff.ENV: where})
-            except BaseException as e:  # noqa: BLE001 (raised again below)
-                box["error"] = e
-
-        thread = threading.Thread(target=script, daemon=True)
-        thread.start()
+    with (tempfile.TemporaryDirectory(prefix="keepalive-handoff-") as where,
+          ThreadPoolExecutor(1) as pool):
+        script = pool.submit(run, {handoff.ENV: where})
         with overlappable():
-            while thread.is_alive() and not os.path.exists(os.path.join(where, handoff.STARTED)):
+            while not script.done() and not os.path.exists(os.path.join(where, handoff.STARTED)):
                 time.sleep(0.05)
         with alone():  # (in a test marked overlappable too) what the script measures
             with open(os.path.join(where, handoff.GO), "w"):
                 pass
-            thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+            return script.result()
