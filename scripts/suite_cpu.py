@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+import test_events
+
 REPO = Path(__file__).resolve().parent.parent
 PHASES = re.compile(r"^test\.sh: phase 1 .*? (\d+) s, phase 2 .*? (\d+) s, in all ")
 TICK = os.sysconf("SC_CLK_TCK")
@@ -91,19 +93,8 @@ def main(argv: list[str]) -> int:
 
 def by_test(samples: list[tuple[float, float]], events: str, top: int = 25) -> None:
     """Print the tests and the test files that took the most busy CPU (see the docstring)."""
-    started: dict[str, float] = {}
-    spans: list[tuple[float, float, str]] = []
-    held: dict[str, list[float]] = {}
-    for line in events.splitlines():
-        when, what, venv, nodeid = line.split(" ", 3)
-        name = nodeid if venv == ".venv" else f"[{venv}] {nodeid}"
-        if what == "lanes":
-            name, _, figures = name.partition("\t")
-            held[name] = [float(f) for f in figures.split()]
-        elif what == "start":
-            started[name] = float(when)
-        elif name in started:
-            spans.append((started.pop(name), float(when), name))
+    parsed = test_events.parse(events)
+    spans, held = parsed.spans, parsed.held
     if not spans:
         return
     cpu: dict[str, float] = {}

@@ -35,6 +35,14 @@ if [ $# -gt 0 ]; then
 fi
 status=0
 start=$(date +%s)
+# every test writes when it started, ended and failed (tests/conftest.py): if the run fails,
+# scripts/test_events.py names what ran beside each failed test
+own_events=""
+if [ -z "${KEEPALIVE_TEST_EVENTS:-}" ]; then
+  KEEPALIVE_TEST_EVENTS="$(mktemp)"
+  own_events="$KEEPALIVE_TEST_EVENTS"
+fi
+export KEEPALIVE_TEST_EVENTS
 # The no-engine tier's venvs are set up beside phase 1 (one release after the other): phase 1's
 # tests assert no time bound, so more load only slows them.
 tier=""
@@ -92,6 +100,8 @@ fi
 unset KEEPALIVE_SERIAL_LANES
 rm -f "$lanes_lock" "$lanes_lock.turnstile"
 end=$(date +%s)
+[ "$status" -eq 0 ] || python3 "$repo/scripts/test_events.py" "$KEEPALIVE_TEST_EVENTS" || true
+[ -z "$own_events" ] || rm -f "$own_events"
 echo "test.sh: phase 1 (two at a time) $((phase1 - start)) s, phase 2 (serial)" \
      "$((end - phase1)) s, in all $((end - start)) s; exit status $status"
 exit "$status"

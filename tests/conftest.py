@@ -106,9 +106,10 @@ def pytest_runtest_teardown(item, nextitem) -> None:
         lanes.release()
 
 
-#: scripts/suite_cpu.py points this at a file: every test appends when it started and ended
-#: (set-up to teardown), and suite_cpu shares out each second's busy CPU among the tests
-#: running in it
+#: scripts/test.sh points this at a file (scripts/test_events.py reads it): every test appends
+#: when it started and ended (set-up to teardown) and whether it failed; test.sh then names
+#: what ran beside each failed test, and scripts/suite_cpu.py shares out each second's busy
+#: CPU among the tests running in it
 EVENTS_ENV = "KEEPALIVE_TEST_EVENTS"
 
 
@@ -126,6 +127,12 @@ def pytest_runtest_protocol(item, nextitem):
             figures = lanes.spent()
             _event(path, "lanes", item.nodeid + "\t" + " ".join(
                 f"{figures[k]:.1f}" for k in ("exclusive", "shared", "waiting")))
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get(EVENTS_ENV)
+    if path and report.failed:  # for scripts/test_events.py: what ran beside it
+        _event(path, "failed", report.nodeid)
 
 
 def _event(path: str, what: str, nodeid: str) -> None:
