@@ -159,7 +159,8 @@ def assert_disconnects_were_aborts(server: Server, reqs: list[dict], before: dic
 @pytest.mark.overlappable
 def test_load_with_disconnects_frees_everything_and_matches_mp(servers, reference):
     """256 streaming requests at concurrency 32, prompts of 2 to 60 words, 4 to 64 output
-    tokens, every tenth client closing its stream after two chunks: the server stays
+    tokens, every tenth client asking for ABORT_MAX_TOKENS and closing its stream after two
+    chunks (load_requests): the server stays
     healthy, the aborted requests give back their slots and KV blocks, a second wave
     completes, and every completed greedy answer is mp's to the same request
     (serve_scripts.load_answers, float32 on both sides)."""
