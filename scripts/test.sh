@@ -28,10 +28,30 @@ bash "$repo/scripts/setup.sh"
 venv="${KEEPALIVE_VENV:-$repo/.venv}"
 cd "$repo"
 "$venv/bin/ruff" check keepalive_executor tests benchmarks
+# Linux's autogroup scheduling gives every session a scheduling group of its own, and every
+# test server is a session, as is every torchrun rank. A session that is mostly idle then
+# waits for seconds behind a busy one on the CPU both are bound to: measured here, a process
+# sleeping 50 ms at a time on CPU 0 waited up to 7.1 s in the run queue while a DP=2 TP=2
+# server answered requests beside it, and 0.3 s at most with autogroups off (docs/usage.md,
+# "A shared CPU host"). The tests run idle servers with 5 s collective timeouts beside other
+# tests, so the run turns autogroups off (plain per-thread fairness) and restores them at exit.
+autogroup=/proc/sys/kernel/sched_autogroup_enabled
+if [ "$(cat "$autogroup" 2>/dev/null || echo 0)" = 1 ]; then
+  if (echo 0 >"$autogroup") 2>/dev/null; then
+    trap 'echo 1 >"$autogroup"' EXIT
+    echo "test.sh: autogroup scheduling off for this run ($autogroup; restored at exit)"
+  else
+    echo "test.sh: WARNING: autogroup scheduling is on and $autogroup is not writable here:" \
+         "an idle test server may be starved for seconds by a busy one beside it, past its" \
+         "5 s collective timeout (run as root, or set it to 0 first)" >&2
+  fi
+fi
 pytest=("$venv/bin/python" -m pytest -ra -p no:cacheprovider --durations=0)
 if [ $# -gt 0 ]; then
-  if [ -e "${1%%::*}" ]; then exec "${pytest[@]}" "$@"; fi
-  exec "${pytest[@]}" tests "$@"
+  # (not exec: the trap above restores the scheduler setting when pytest ends)
+  rc=0
+  if [ -e "${1%%::*}" ]; then "${pytest[@]}" "$@" || rc=$?; else "${pytest[@]}" tests "$@" || rc=$?; fi
+  exit "$rc"
 fi
 status=0
 start=$(date +%s)

@@ -318,8 +318,10 @@ class LivenessMonitor(_Periodic):
         if excused >= self._core.timeout_s / 2:
             logger.warning(
                 "keepalive liveness: this process ran no heartbeat check for %.2fs (a C call "
-                "holding the GIL, e.g. a full garbage collection, or a starved CPU); that "
-                "time is not counted against torchrun's store or any rank", excused)
+                "holding the GIL, e.g. a full garbage collection, or a starved CPU, e.g. "
+                "autogroup scheduling beside a busy process: docs/usage.md, 'A shared CPU "
+                "host'); that time is not counted against torchrun's store or any rank, but "
+                "the same stall of another rank would be", excused)
         if silent is not None:
             cause = f"; last error: {self._last_error}" if self._last_error else \
                 " (calls blocked)"
