@@ -102,7 +102,7 @@ def test_one_node_serves_like_mp_survives_idle_and_notices_a_frozen_rank1_by_its
         assert "rank 1 of 2 (local rank 1) follows the driver" in log
         with lanes.alone():  # the freeze and the liveness window
             found = by_title(server, "KeepaliveWorker_TP1")
-            assert len(found) == 1, (found, server.logs()[-8000:])
+            assert len(found) == 1, (found, failure_excerpt(server.logs(), 3000))
             [rank1] = found
             rank1.suspend()
             unhealthy_after = wait_unhealthy(server, 30)
