@@ -60,6 +60,14 @@ def _take(name: str) -> str | None:
     return content
 
 
+def stall_rank1_in_rpc(worker: Any, seconds: float) -> int:
+    """A collective_rpc callable: rank 1 sleeps SECONDS before it replies, the others reply
+    at once (rank 0 then waits for rank 1 in the reply gather on the CPU group)."""
+    if worker.rank == 1:
+        time.sleep(seconds)
+    return worker.rank
+
+
 class SlowStartCPUWorker(CPUWorker):
     """A CPUWorker whose rank 1 is slow to start, or dies before the rendezvous."""
 

@@ -17,8 +17,17 @@ def slow_profile_then_stall(model: str, timeout_s: int, stall_s: float, fault_di
                             backend: str = "keepalive") -> dict:
     """TP=2 in this process, both collective timeouts TIMEOUT_S, rank 1 reaching the
     engine's profile run KEEPALIVE_SLOW_PROFILE_S later than rank 0 (the environment;
-    fault_injection.SlowStartCPUWorker): did it start? Then rank 1 stalls STALL_S inside a
-    step (fault_injection's stall_rank1): how does that step end, and when?"""
+    fault_injection.SlowStartCPUWorker): did it start? Then rank 1 stalls STALL_S where
+    rank 0 waits for it on a group that had its timeout raised during the start-up: how does
+    that call end, and when?
+
+    Where depends on the CPU. Inside a step (fault_injection's stall_rank1) when TP's
+    all-reduce runs on the device group (gloo): vLLM's CPU builds without
+    ``init_shm_manager`` (the AVX2 one). With it (the AVX512 builds), vLLM runs TP's
+    all-reduce in its shared-memory communicator, whose wait has no timeout at all, so a
+    stalled step there only ends when the stall does; the stall is then inside a
+    collective_rpc instead, whose reply gather runs on the CPU group
+    (fault_injection.stall_rank1_in_rpc)."""
     set_binding(2)
     from vllm import LLM, SamplingParams
 
@@ -38,15 +47,26 @@ def slow_profile_then_stall(model: str, timeout_s: int, stall_s: float, fault_di
     result["still_raised"] = startup_timeouts.pending()
     out = llm.generate(PROMPTS[:1], params, use_tqdm=False)
     result["tokens"] = len(out[0].outputs[0].token_ids)
-    Path(fault_dir, "stall_rank1").write_text(str(stall_s))
+    from vllm.distributed.parallel_state import get_tp_group
+
+    # rank 0 is in this process (an in-process engine)
+    shm = type(get_tp_group().device_communicator.dist_module).__name__ == "_CPUSHMDistributed"
+    result["tp_all_reduce"] = "shared memory" if shm else "device group"
+    if not shm:
+        Path(fault_dir, "stall_rank1").write_text(str(stall_s))
     t1 = time.monotonic()
     try:
-        llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        if shm:
+            from fault_injection import stall_rank1_in_rpc
+
+            llm.collective_rpc(stall_rank1_in_rpc, args=(stall_s,))
+        else:
+            llm.generate(PROMPTS[:1], params, use_tqdm=False)
         result["stall_error"] = None
     except Exception as e:  # noqa: BLE001 - the test reads the message
         result["stall_error"] = f"{type(e).__name__}: {e}"
     result["stall_s"] = time.monotonic() - t1
-    result["stall_fired"] = not Path(fault_dir, "stall_rank1").exists()
+    result["stall_fired"] = shm or not Path(fault_dir, "stall_rank1").exists()
     return result
 
 

@@ -113,9 +113,12 @@ def test_a_rank_later_than_the_timeout_to_the_profile_run_starts_and_the_timeout
         tiny_model, tmp_path, backend):
     """An engine (TP=2, in-process) with both collective timeouts at 5 s whose rank 1 reaches
     the engine's profile run 8 s after rank 0 (rank 0 waits in the reply gather on the CPU
-    group): it starts. After the warm-up the 5 s hold again: rank 1 stalling 10 s inside a
-    step fails that step well before the stall ends. Negative control, the same start-up
-    under the user's timeouts (controls.ShortStartupTimeouts): it fails."""
+    group): it starts. After the warm-up the 5 s hold again: rank 1 stalling 10 s where rank
+    0 waits for it fails that call well before the stall ends. That is inside a step where
+    TP's all-reduce runs on the device group (vLLM's AVX2 CPU build), inside a collective_rpc
+    where it runs in vLLM's shared-memory communicator, which has no timeout (the AVX512
+    builds; startup_scripts.py). Negative control, the same start-up under the user's
+    timeouts (controls.ShortStartupTimeouts): it fails."""
     faults = tmp_path / "faults"
     faults.mkdir()
 
@@ -139,3 +142,5 @@ def test_a_rank_later_than_the_timeout_to_the_profile_run_starts_and_the_timeout
     assert res["stall_fired"] and res["stall_error"] is not None, res
     assert "timed out" in res["stall_error"].lower(), res
     assert res["stall_s"] < 10.0, res  # the 5 s, not the stall's end
+    print(f"TP all-reduce in the {res['tp_all_reduce']}; the stall failed after "
+          f"{res['stall_s']:.2f}s: {res['stall_error'][:200]}")
