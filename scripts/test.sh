@@ -31,9 +31,9 @@ cd "$repo"
 # Linux's autogroup scheduling gives every session a scheduling group of its own, and every
 # test server is a session, as is every torchrun rank. A session that is mostly idle then
 # waits for seconds behind a busy one on the CPU both are bound to: measured here, a process
-# sleeping 50 ms at a time on CPU 0 waited up to 7.1 s in the run queue while a DP=2 TP=2
-# server answered requests beside it, and 0.3 s at most with autogroups off (docs/usage.md,
-# "A shared CPU host"). The tests run idle servers with 5 s collective timeouts beside other
+# sleeping 50 ms at a time on CPU 0 went up to 26.5 s unscheduled while a DP=2 TP=2 server
+# answered requests beside it, and 0.01 s at most with autogroups off
+# (benchmarks/sched_starvation.py; docs/usage.md, "A shared CPU host"). The tests run idle servers with 5 s collective timeouts beside other
 # tests, so the run turns autogroups off (plain per-thread fairness) and restores them at exit.
 autogroup=/proc/sys/kernel/sched_autogroup_enabled
 if [ "$(cat "$autogroup" 2>/dev/null || echo 0)" = 1 ]; then

@@ -26,7 +26,7 @@ servers it started idle meanwhile, which a keepalive server survives by design a
 negative control (no keepalives) may not (test_serve.py's and test_pipeline.py's controls
 allow for it). By design means while its threads get a core: scripts/test.sh turns Linux's
 autogroup scheduling off for the run, under which a busy server's session kept an idle one
-beside it off CPU 0 for up to 7.1 s here, past a 5 s collective timeout (docs/usage.md).
+beside it off CPU 0 for up to 26.5 s here, past a 5 s collective timeout (docs/usage.md).
 
 Fairness: flock converts a lock by dropping it and taking it again, and grants it to whoever
 asks first, so a worker that goes from region to test to region could keep the lock for good
