@@ -33,8 +33,9 @@ cd "$repo"
 # waits for seconds behind a busy one on the CPU both are bound to: measured here, a process
 # sleeping 50 ms at a time on CPU 0 went up to 26.5 s unscheduled while a DP=2 TP=2 server
 # answered requests beside it, and 0.01 s at most with autogroups off
-# (benchmarks/sched_starvation.py; docs/usage.md, "A shared CPU host"). The tests run idle servers with 5 s collective timeouts beside other
-# tests, so the run turns autogroups off (plain per-thread fairness) and restores them at exit.
+# (benchmarks/sched_starvation.py; docs/usage.md, "A shared CPU host"). The tests run idle
+# servers with 5 s collective timeouts beside other tests, so the run turns autogroups off
+# (plain per-thread fairness) and restores them at exit.
 autogroup=/proc/sys/kernel/sched_autogroup_enabled
 if [ "$(cat "$autogroup" 2>/dev/null || echo 0)" = 1 ]; then
   if (echo 0 >"$autogroup") 2>/dev/null; then
@@ -49,8 +50,9 @@ fi
 pytest=("$venv/bin/python" -m pytest -ra -p no:cacheprovider --durations=0)
 if [ $# -gt 0 ]; then
   # (not exec: the trap above restores the scheduler setting when pytest ends)
+  [ -e "${1%%::*}" ] || set -- tests "$@"
   rc=0
-  if [ -e "${1%%::*}" ]; then "${pytest[@]}" "$@" || rc=$?; else "${pytest[@]}" tests "$@" || rc=$?; fi
+  "${pytest[@]}" "$@" || rc=$?
   exit "$rc"
 fi
 status=0

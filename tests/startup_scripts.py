@@ -47,10 +47,11 @@ def slow_profile_then_stall(model: str, timeout_s: int, stall_s: float, fault_di
     result["still_raised"] = startup_timeouts.pending()
     out = llm.generate(PROMPTS[:1], params, use_tqdm=False)
     result["tokens"] = len(out[0].outputs[0].token_ids)
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
     from vllm.distributed.parallel_state import get_tp_group
 
     # rank 0 is in this process (an in-process engine)
-    shm = type(get_tp_group().device_communicator.dist_module).__name__ == "_CPUSHMDistributed"
+    shm = isinstance(get_tp_group().device_communicator.dist_module, _CPUSHMDistributed)
     result["tp_all_reduce"] = "shared memory" if shm else "device group"
     if not shm:
         Path(fault_dir, "stall_rank1").write_text(str(stall_s))
