@@ -150,6 +150,82 @@ def test_srun_across_nodes_meets_at_the_first_host_and_needs_the_shared_secret()
     assert env.address == "10.0.0.7:29511"
 
 
+# rank 0 of `srun --nodes 2 --ntasks-per-node 1` on gpu07, with MASTER_ADDR left unset
+SRUN_TWO_NODES_RANK0 = {**SRUN_RANK1, "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                        "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "2",
+                        "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_TASKS_PER_NODE": "1(x2)",
+                        "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+
+
+def _hosts_file(table):
+    """socket's resolvers answering from TABLE (name -> address), as /etc/hosts would."""
+    import socket
+
+    def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):
+        if host not in table:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (table[host], port or 0))]
+
+    def gethostbyname(host):
+        return getaddrinfo(host, None)[0][4][0]
+
+    return getaddrinfo, gethostbyname
+
+
+@fast
+def test_srun_across_nodes_refuses_a_first_host_that_resolves_to_loopback(monkeypatch):
+    """Debian's /etc/hosts maps a machine's own name to 127.0.1.1: on rank 0's node the first
+    host of the node list, the store's address when MASTER_ADDR is unset, is then a loopback
+    address, which rank 0's store would bind and no other node can reach (the remote ranks
+    would time out on an error about reachability). Every rank that resolves it so refuses
+    at once, naming MASTER_ADDR, and sets nothing to `lo` (gloo across nodes on loopback).
+    The ranks are placed as the CLI places them: the mapping, then torchrun's variables,
+    then gloo's interface."""
+    import socket
+
+    from keepalive_executor.torchrun.env import default_gloo_interface
+
+    getaddrinfo, gethostbyname = _hosts_file({"gpu07": "127.0.1.1", "gpu08": "10.0.0.8"})
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "gethostbyname", gethostbyname)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    with pytest.raises(LaunchError, match=r"MASTER_ADDR is not set.*first host gpu07 "
+                                          r"resolves to 127\.0\.1\.1.*loopback.*set "
+                                          r"MASTER_ADDR to rank 0's address"):
+        mapped = torchrun_variables(SRUN_TWO_NODES_RANK0)
+        default_gloo_interface(TorchrunEnv.from_environ({**SRUN_TWO_NODES_RANK0, **mapped}))
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+@fast
+def test_the_first_hosts_address_is_asked_only_when_it_is_the_store_and_only_loopback_refused():
+    """The resolver injected: 127.0.1.1 (and ::1) refused; a rank on another node, where the
+    name resolves to the node's real address, meets at the name; a name that does not
+    resolve here is left to the store's own error; MASTER_ADDR set, or one node, asks
+    nothing."""
+    asked = []
+
+    def answering(addr):
+        def resolve(host):
+            asked.append(host)
+            return addr
+        return resolve
+
+    for loopback in ("127.0.1.1", "::1"):
+        with pytest.raises(LaunchError, match=f"resolves to {re.escape(loopback)} on this "
+                                              "node.*set MASTER_ADDR"):
+            torchrun_variables(SRUN_TWO_NODES_RANK0, resolve=answering(loopback))
+    rank1 = {**SRUN_TWO_NODES_RANK0, "SLURM_PROCID": "1", "SLURM_NODEID": "1"}
+    assert torchrun_variables(rank1, resolve=answering("10.0.0.7"))["MASTER_ADDR"] == "gpu07"
+    assert torchrun_variables(rank1, resolve=answering(None))["MASTER_ADDR"] == "gpu07"
+    assert asked == ["gpu07"] * 4
+    given = {**SRUN_TWO_NODES_RANK0, "MASTER_ADDR": "10.0.0.7"}
+    assert torchrun_variables(given, resolve=answering("127.0.1.1"))["MASTER_ADDR"] == "10.0.0.7"
+    assert torchrun_variables(SRUN_RANK1, resolve=answering("127.0.1.1"))["MASTER_ADDR"] == \
+        "127.0.0.1"  # one node: loopback by design
+    assert asked == ["gpu07"] * 4
+
+
 @fast
 def test_mpirun_reads_like_torchrun_and_across_nodes_asks_for_master_addr():
     env = TorchrunEnv.from_environ({**MPIRUN_RANK1, **torchrun_variables(MPIRUN_RANK1)})

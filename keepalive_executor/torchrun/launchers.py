@@ -18,11 +18,17 @@ the store (torchrun's agent; otherwise rank 0, see
                                           node: 127.0.0.1; else the  node: 127.0.0.1; else
                                           first host of              required
                                           SLURM_STEP_NODELIST
+                                          (refused if loopback)
     MASTER_PORT       MASTER_PORT         MASTER_PORT if set, else   MASTER_PORT if set, else
                                           derived from job and step  derived from the job id
     run id, attempt   TORCHELASTIC_RUN_ID slurm-<job>.<step>,        mpirun-<job id>, 0
                       .._RESTART_COUNT    SLURM_RESTART_COUNT
     store hosted by   torchrun's agent    rank 0                     rank 0
+
+Several nodes under srun without MASTER_ADDR: the first host's name is resolved where each
+rank runs, and a loopback answer is refused naming MASTER_ADDR. Debian's ``/etc/hosts`` maps a
+machine's own name to ``127.0.1.1``: rank 0 would bind its store there, out of the other
+nodes' reach, and keep gloo on loopback, and the remote ranks would only time out.
 
 Which launcher: torchrun's variables first (torchrun may itself run under srun or mpirun),
 then Open MPI's (``mpirun`` inside a Slurm allocation starts its daemons with srun), then a
@@ -32,9 +38,11 @@ but is no step, and serving from it would wait for ranks that never start).
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 __all__ = [
     "ENV_LAUNCHER",
@@ -47,6 +55,7 @@ __all__ = [
     "expand_hostlist",
     "expand_tasks_per_node",
     "derived_port",
+    "resolve_host",
     "torchrun_variables",
 ]
 
@@ -164,11 +173,46 @@ def _address(env: Mapping[str, str], one_node: bool, many_nodes_addr: str | None
         f"the address of rank 0's node, which hosts the rendezvous store ({how})")
 
 
+def resolve_host(host: str) -> str | None:
+    """The address ``host`` resolves to on this node: getaddrinfo's first answer, the one
+    rank 0's store binds (:func:`keepalive_executor.torchrun.bootstrap.host_store`); None if
+    it does not resolve here (the store reports that itself)."""
+    try:
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+    except (OSError, IndexError):
+        return None
+
+
+def _is_loopback(addr: str | None) -> bool:
+    try:
+        return addr is not None and ipaddress.ip_address(addr.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _first_host_address(first: str, nodelist: str, resolve: Callable[[str], str | None]
+                        ) -> str:
+    """Several nodes, MASTER_ADDR unset: the first host, unless it resolves to loopback on
+    this node (then no other node could reach rank 0's store there)."""
+    addr = resolve(first)
+    if _is_loopback(addr):
+        raise LaunchError(
+            f"srun started ranks on several nodes and MASTER_ADDR is not set: rank 0's "
+            f"rendezvous store would be at the first host of the node list ({nodelist}), but "
+            f"the first host {first} resolves to {addr} on this node, a loopback address the "
+            f"other nodes cannot reach (Debian and Ubuntu map a machine's own name to "
+            f"127.0.1.1 in /etc/hosts): set MASTER_ADDR to rank 0's address on the network "
+            f"the nodes share, the same on every rank (e.g. exported in the batch script, "
+            f"which runs on the first node)")
+    return first
+
+
 def _port(env: Mapping[str, str], seed: str) -> str:
     return env.get("MASTER_PORT") or str(derived_port(seed))
 
 
-def _from_slurm(env: Mapping[str, str]) -> dict[str, str]:
+def _from_slurm(env: Mapping[str, str], resolve: Callable[[str], str | None]
+                ) -> dict[str, str]:
     job, step = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID", "0"), _step(env)
     world = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
     node = _int(env, "SLURM_NODEID")
@@ -183,6 +227,8 @@ def _from_slurm(env: Mapping[str, str]) -> dict[str, str]:
                 or env.get("SLURM_NODELIST") or "")
     one_node = local_world == world
     first = expand_hostlist(nodelist)[0] if nodelist and not one_node else None
+    if first is not None and not env.get("MASTER_ADDR"):
+        first = _first_host_address(first, nodelist, resolve)
     return {
         "RANK": str(_int(env, "SLURM_PROCID")),
         "LOCAL_RANK": str(_int(env, "SLURM_LOCALID")),
@@ -219,13 +265,15 @@ def _from_openmpi(env: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-def torchrun_variables(env: Mapping[str, str]) -> dict[str, str]:
+def torchrun_variables(env: Mapping[str, str],
+                       resolve: Callable[[str], str | None] = resolve_host) -> dict[str, str]:
     """The variables to set so that this rank reads like a torchrun rank: none under torchrun
     (or under no launcher: the caller then reports what is missing), else the launcher's
     numbers under torchrun's names, plus which launcher, the run id and the attempt.
 
     Raises :class:`LaunchError` when the launcher's variables cannot place this rank (a Slurm
-    batch script's shell rather than a task of ``srun``; several nodes without an address)."""
+    batch script's shell rather than a task of ``srun``; several nodes without an address, or
+    whose derived address ``resolve`` answers with a loopback address on this node)."""
     if any(env.get(k) for k in _TORCHRUN_MARKS):
         return {}
     if env.get("OMPI_COMM_WORLD_RANK"):
@@ -236,5 +284,5 @@ def torchrun_variables(env: Mapping[str, str]) -> dict[str, str]:
                 "this is a Slurm job's batch script, not a task of srun (SLURM_STEP_ID is "
                 "not set): start every rank with srun, e.g. `srun --ntasks N "
                 "--kill-on-bad-exit=1 python -m keepalive_executor serve MODEL -tp N`")
-        return _from_slurm(env)
+        return _from_slurm(env, resolve)
     return {}
