@@ -243,6 +243,33 @@ def test_secret_sources_and_their_errors(tmp_path, monkeypatch):
         load_secret(one_node, environ)
 
 
+def test_a_runtime_dir_that_does_not_exist_falls_back_to_tmp_with_a_warning(tmp_path,
+                                                                            caplog):
+    """srun exports the login shell's environment, so XDG_RUNTIME_DIR on a compute node can
+    name a directory that only exists on the login node (or is gone with the last session
+    there). The per-run secret of a one-node run then goes to the /tmp directory, with one
+    warning naming the variable, on rank 0 and on the followers alike: never a traceback."""
+    import logging
+    import os
+
+    from keepalive_executor.torchrun.bootstrap import create_node_secret, load_secret
+
+    one_node = TorchrunEnv.from_environ({**GOOD, "LOCAL_WORLD_SIZE": "2",
+                                         "TORCHELASTIC_RUN_ID": f"xdg-{tmp_path.name}"})
+    environ = {"XDG_RUNTIME_DIR": str(tmp_path / "run" / "user" / "1000")}
+    with caplog.at_level(logging.WARNING, logger="vllm.keepalive_executor"):
+        path = create_node_secret(one_node, environ)
+        try:
+            assert os.path.dirname(path) == f"/tmp/keepalive-executor-{os.getuid()}"
+            secret, source = load_secret(one_node, environ)
+            assert len(secret) == 64 and path in source
+        finally:
+            os.unlink(path)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned and all("XDG_RUNTIME_DIR" in m and "does not exist" in m for m in warned)
+    assert len(warned[0].splitlines()) == 1, warned
+
+
 def os_mode(path):
     import os
     import stat

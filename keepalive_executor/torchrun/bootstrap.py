@@ -28,7 +28,8 @@ The secret (:func:`load_secret`): ``VLLM_KEEPALIVE_SECRET`` (at least 16 bytes),
 named by ``VLLM_KEEPALIVE_SECRET_FILE`` (not readable by group or others), the same on every
 node. Without either, a **one-node** run (torchrun's ``LOCAL_WORLD_SIZE == WORLD_SIZE``) uses a
 per-run secret that rank 0 creates in a directory only this user can enter
-(``$XDG_RUNTIME_DIR``, else ``/tmp/keepalive-executor-<uid>``, mode 0700, checked), named by
+(``$XDG_RUNTIME_DIR``; if it is unset or names no directory on this node,
+``/tmp/keepalive-executor-<uid>``; mode 0700, checked), named by
 run, attempt and torchrun agent (the local ranks' common parent); several nodes without a
 secret are refused on every rank, saying how to set one.
 """
@@ -96,13 +97,40 @@ _HOW_TO_SET = (
 # ---------------------------------------------------------------------- the secret
 
 
+#: the runtime directories already warned about (once per process, not once per lookup)
+_WARNED_RUNTIME_DIRS: set[str] = set()
+
+
 def _private_dir(environ: Mapping[str, str]) -> str:
+    """``$XDG_RUNTIME_DIR``, else (unset, or naming nothing here) ``/tmp/keepalive-executor-<uid>``.
+
+    srun exports the submitting shell's environment, so on a compute node XDG_RUNTIME_DIR
+    may name the login node's directory, which does not exist here (or one removed with the
+    user's last session): every local rank then falls back alike, rank 0 where it creates
+    the secret and each follower where it looks for it, with a warning."""
     base = environ.get("XDG_RUNTIME_DIR")
+    if base:
+        try:
+            os.lstat(base)
+        except OSError as e:
+            if base not in _WARNED_RUNTIME_DIRS:
+                _WARNED_RUNTIME_DIRS.add(base)
+                logger.warning(
+                    "XDG_RUNTIME_DIR=%s does not exist on this node (%s; srun exports the "
+                    "login shell's environment): the per-run secret goes to "
+                    "/tmp/keepalive-executor-%d instead", base, e.strerror or e, os.getuid())
+            base = None
     path = base if base else os.path.join("/tmp", f"keepalive-executor-{os.getuid()}")
-    if not base:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-    st = os.lstat(path)
+    try:
+        if not base:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
+        st = os.lstat(path)
+    except OSError as e:
+        raise TorchrunError(
+            f"cannot make {path} to hold the per-run secret of a one-node run: "
+            f"{e.strerror or e}; {_HOW_TO_SET}"
+        ) from None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise TorchrunError(
             f"{path} must be a directory owned by this user with mode 700 to hold the "
