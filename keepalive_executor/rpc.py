@@ -31,8 +31,9 @@ driver over the world **CPU** group (gloo), so a result never has to live on a G
 1. ``all_gather`` of each rank's reply length (int64), so every rank knows the largest;
 2. ``gather`` of the replies, zero-padded to that length, to the driver.
 
-Both are bounded by the CPU group's timeout (``--cpu-distributed-timeout-seconds``), not by
-the call's own ``timeout``: a rank that finishes the call first waits there for the last, so
+Both are bounded by the CPU group's timeout (``--cpu-distributed-timeout-seconds``; until the
+warm-up is over, the start-up timeout where that is longer: startup_timeouts.py), not by the
+call's own ``timeout``: a rank that finishes the call first waits there for the last, so
 ranks that finish one call further apart than that timeout (model loading or warm-up on a
 slow file system) fail it, and with it the executor, where vLLM's ``mp`` would wait. The
 receivers cannot know the call's timeout (it is not in the envelope), and an unbounded wait
@@ -58,6 +59,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from keepalive_executor import startup_timeouts
 
 __all__ = [
     "Replies",
@@ -278,8 +281,9 @@ def gather_replies(
     ``timeout_s`` bounds this rank's wait (rank 0's call window); when it runs out the
     transport's error is raised as it is, for the caller who chose the window. Any other
     failure is a :class:`ReplyGatherError`. The gather itself is bounded by the CPU group's
-    timeout (``--cpu-distributed-timeout-seconds``), whatever the call's own: ranks that finish
-    a call further apart than that fail it, and the error says so (docs/usage.md)."""
+    timeout (``--cpu-distributed-timeout-seconds``, or the start-up timeout standing in for it
+    until the warm-up is over), whatever the call's own: ranks that finish a call further
+    apart than that fail it, and the error names the one that ran out (docs/usage.md)."""
     start = time.monotonic()
     try:
         return _gather(reply, group, dst, world_size, timeout_s)
@@ -289,9 +293,9 @@ def gather_replies(
         hint = ""
         if "timed out" in str(e).lower():
             hint = (" (this rank waited longer than the CPU group's timeout, "
-                    "--cpu-distributed-timeout-seconds, for another rank to finish the call: "
-                    "the ranks finished it further apart than that; raise it if they may, "
-                    "e.g. while loading or warming up the model)")
+                    f"{startup_timeouts.cpu_timeout_setting()}, for another rank to finish "
+                    "the call: the ranks finished it further apart than that; raise it if "
+                    "they may, e.g. while loading or warming up the model)")
         raise ReplyGatherError(f"the reply gather on the CPU group failed: {e}{hint}") from e
 
 
