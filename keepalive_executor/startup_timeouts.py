@@ -21,10 +21,11 @@ still has the longer timeout). An unset timeout is left to torch's default (gloo
 NCCL 10 min) throughout.
 
 Not raised, and not needed: groups created with a timeout of their own (the NCCL channel
-communicator, the pipeline's output link). Not given back: groups vLLM creates without a
-``GroupCoordinator`` during start-up, if any (they keep the start-up timeout). With vLLM 0.34's
-``VLLM_ELASTIC_EP_SCALE_UP_LAUNCH`` the engine skips the warm-up, so the groups keep the
-start-up timeout until the process ends. Setting a group's timeout uses torch's
+communicator, the pipeline's output link). Not raised either: groups created after
+``init_device`` (while the model loads, by a model's or a KV connector's own code, with a
+``GroupCoordinator`` or without): vLLM reads the timeouts from the configuration as it creates
+a group, and the configuration has the user's values back by then, so such a group has the
+user's timeouts from the start. Setting a group's timeout uses torch's
 ``distributed_c10d._set_pg_timeout`` (gloo and NCCL backends), which applies to the
 collectives issued after it.
 """
@@ -39,7 +40,8 @@ from typing import Any
 
 from keepalive_executor.log import get_logger
 
-__all__ = ["FIELDS", "raised_values", "during_startup", "note_cpu_group", "restore", "pending"]
+__all__ = ["FIELDS", "raised_values", "during_startup", "note_cpu_group", "restore", "pending",
+           "cpu_timeout_setting"]
 
 logger = get_logger(__name__)
 
@@ -48,6 +50,8 @@ FIELDS = ("distributed_timeout_seconds", "cpu_distributed_timeout_seconds")
 
 #: this process's raised fields and the user's values, until :func:`restore`
 _users: dict[str, int] = {}
+#: what those fields were raised to (the start-up timeout, whole seconds), as long
+_raised: dict[str, int] = {}
 #: groups the executor itself created with the (raised) CPU timeout (a replica's reply group)
 _cpu_groups: list[Any] = []
 
@@ -69,6 +73,7 @@ def during_startup(parallel_config: Any, startup_s: float | None) -> Iterator[di
     them), the user's values put back on the way out, and remembered for :func:`restore`.
     Yields what was raised."""
     _users.clear()  # an earlier start-up in this process that failed before its restore
+    _raised.clear()
     _cpu_groups.clear()
     raised = raised_values(parallel_config, startup_s)
     users = {f: getattr(parallel_config, f) for f in raised}
@@ -81,6 +86,7 @@ def during_startup(parallel_config: Any, startup_s: float | None) -> Iterator[di
             setattr(parallel_config, f, v)
     if raised:
         _users.update(users)
+        _raised.update(raised)
         logger.info("keepalive: start-up collectives with %s raised to %ss "
                     "(VLLM_KEEPALIVE_STARTUP_TIMEOUT_S) until the warm-up is over",
                     " and ".join(f"--{f.replace('_', '-')}={users[f]}" for f in raised),
@@ -95,6 +101,18 @@ def note_cpu_group(group: Any) -> None:
 def pending() -> dict[str, int]:
     """The user's values of the fields raised in this process and not yet restored."""
     return dict(_users)
+
+
+def cpu_timeout_setting() -> str:
+    """What bounds a collective on the CPU groups now, in the user's terms: the start-up
+    timeout while it stands in for a shorter ``--cpu-distributed-timeout-seconds`` (until
+    :func:`restore`), else that flag (for an error that says which setting ran out)."""
+    raised = _raised.get("cpu_distributed_timeout_seconds")
+    if raised is None or "cpu_distributed_timeout_seconds" not in _users:
+        return "--cpu-distributed-timeout-seconds"
+    return (f"the start-up timeout, VLLM_KEEPALIVE_STARTUP_TIMEOUT_S ({raised}s, in place of "
+            f"--cpu-distributed-timeout-seconds={_users['cpu_distributed_timeout_seconds']} "
+            "until the warm-up is over)")
 
 
 def restore() -> int:
@@ -131,5 +149,6 @@ def restore() -> int:
     logger.info("keepalive: start-up over; %d process groups back to the user's timeouts (%s)",
                 len(done), ", ".join(f"--{f.replace('_', '-')}={v}" for f, v in _users.items()))
     _users.clear()
+    _raised.clear()
     _cpu_groups.clear()
     return len(done)

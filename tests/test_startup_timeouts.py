@@ -4,6 +4,8 @@ real gloo processes, and through an engine whose rank 1 reaches the profile run 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import lanes
 import pytest
 from run_engine import HERE, run_script
@@ -73,6 +75,37 @@ def test_the_installed_vllm_has_what_start_up_and_restore_use():
     init = inspect.getsource(parallel_state.GroupCoordinator.__init__)
     assert "self.device_group" in init and "self.cpu_group" in init
     assert "timeout" in inspect.signature(distributed_c10d._set_pg_timeout).parameters
+
+
+@pytest.mark.fast
+def test_a_group_created_after_init_device_gets_the_users_timeouts_at_once():
+    """What the module's docstring says of groups created later in the start-up (while the
+    model loads, by a model's or a KV connector's own code): vLLM gives a new group the
+    timeouts its configuration holds at that moment (``get_distributed_timeout_or_none``,
+    ``get_cpu_distributed_timeout_or_none``, read at creation), and the configuration has the
+    user's values back as soon as ``init_device`` and the channel's groups are done. Such a
+    group has the user's timeouts from the start, not the start-up timeout."""
+    from datetime import timedelta
+
+    from vllm.config import ParallelConfig, set_current_vllm_config
+    from vllm.distributed.utils import (
+        get_cpu_distributed_timeout_or_none,
+        get_distributed_timeout_or_none,
+    )
+
+    pc = ParallelConfig(distributed_timeout_seconds=5, cpu_distributed_timeout_seconds=7)
+    # only the parallel configuration is read (a whole VllmConfig needs a platform, which the
+    # no-engine tier on 0.33 and 0.34 does not have)
+    try:
+        with set_current_vllm_config(SimpleNamespace(parallel_config=pc)):
+            with startup_timeouts.during_startup(pc, 600.0):  # init_device: raised
+                assert get_distributed_timeout_or_none() == timedelta(seconds=600)
+                assert get_cpu_distributed_timeout_or_none() == timedelta(seconds=600)
+            # loading the model, profiling, the warm-up: a group created now
+            assert get_distributed_timeout_or_none() == timedelta(seconds=5)
+            assert get_cpu_distributed_timeout_or_none() == timedelta(seconds=7)
+    finally:
+        startup_timeouts._users.clear()
 
 
 @pytest.mark.serial

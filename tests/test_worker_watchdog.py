@@ -89,10 +89,16 @@ def test_negative_control_a_watchdog_left_on_while_waiting_fires_during_idle(wat
     assert at_call, "an idle period of 3.5 watchdog timeouts went unnoticed"
 
 
-def test_without_watchdog_config_nothing_starts():
+def test_without_watchdog_config_nothing_starts_and_the_loop_is_given_no_watchdog():
+    """vLLM's default (``dump_dir`` ""): no watchdog thread, and what the receive loop gets
+    wraps no watchdog at all, so its wait and its calls cost nothing (vLLM's
+    ``start_watch_dog`` returns its singleton either way: a ``NoopWatchDog`` here, which the
+    loop must not be handed to feed and disable around every call)."""
     from vllm.config import WatchdogConfig
 
     config = type("Cfg", (), {})()
     config.watchdog_config = WatchdogConfig()  # dump_dir "": off, vLLM's default
-    compat.start_worker_watchdog(1, config)
-    assert isinstance(watch_dog.get_watch_dog(), watch_dog.NoopWatchDog)
+    dog = compat.start_worker_watchdog(1, config)
+    assert isinstance(watch_dog.get_watch_dog(), watch_dog.NoopWatchDog)  # no thread started
+    assert dog._dog is None, dog._dog
+    assert dog.waiting() is compat._NOT_WATCHED
