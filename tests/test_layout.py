@@ -1,4 +1,4 @@
-"""The layout the package docstring and the README draw is the package's real layout."""
+"""The layout the package docstring and docs/development.md draw is the package's real layout."""
 
 import re
 from pathlib import Path
@@ -10,7 +10,7 @@ import keepalive_executor
 pytestmark = pytest.mark.fast  # in `scripts/test.sh --fast`: see pyproject.toml
 
 ROOT = Path(keepalive_executor.__file__).resolve().parent
-README = (ROOT.parent / "README.md").read_text()
+DEVELOPMENT = (ROOT.parent / "docs" / "development.md").read_text()
 MODULES = sorted(p.stem for p in ROOT.glob("*.py") if p.stem != "__init__")
 
 
@@ -21,8 +21,8 @@ def test_every_module_is_in_the_package_docstring():
     assert "keepalive_executor.torchrun`" in doc
 
 
-def test_every_module_is_in_the_readme_layout():
-    layout = README[README.index("## Layout"):]
+def test_every_module_is_in_the_development_guides_layout():
+    layout = DEVELOPMENT[DEVELOPMENT.index("## Layout"):]
     missing = [m for m in MODULES if f"{m}.py" not in layout]
     assert not missing, missing
 
