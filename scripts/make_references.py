@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts")]
 
+from reaping import reaped  # noqa: E402
 from reference_calls import REFERENCES  # noqa: E402
 from run_engine import Reference, reference_call, run_script  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
@@ -43,7 +44,9 @@ def make(names: list[str], force: bool, jobs: int, work: Path) -> list[str]:
 
     def one(r: Reference) -> str:
         start = time.monotonic()
-        r.store(run_script(**r.call))
+        # a run that fails or times out leaves nothing running (its server is in a session
+        # of its own, which run_script's timeout does not reach)
+        r.store(reaped(lambda call: run_script(**call))(r.call))
         print(f"wrote {r.path.relative_to(ROOT)} ({time.monotonic() - start:.0f} s)", flush=True)
         return r.name
 

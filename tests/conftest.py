@@ -197,7 +197,10 @@ def reference(tiny_model, tmp_path_factory):
     """``reference(NAME)``: the result of reference_calls.REFERENCES[NAME] (vLLM's mp, or
     TP=1), cached in tests/references/ when its key matches this environment, otherwise run
     live now and its file rewritten (run_engine.Reference); each is looked up once per
-    session, and the test output says which it was."""
+    session, and the test output says which it was. A live run that fails or times out
+    leaves nothing running (tests/reaping.py: its script's server is in a session of its
+    own)."""
+    from reaping import run_reference
     from reference_calls import REFERENCES
     from run_engine import Reference, reference_call, say
 
@@ -209,7 +212,7 @@ def reference(tiny_model, tmp_path_factory):
             ref = Reference.look_up(name, reference_call(REFERENCES[name], tiny_model, work),
                                     tiny_model)
             say(ref.message())
-            results[name] = ref.result()
+            results[name] = run_reference(ref)
         return results[name]
 
     return get
