@@ -73,9 +73,9 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-echo "setup: installing keepalive-executor (editable) with test extras"
-install -e "$repo[test,bench]"
+echo "setup: installing keepalive-executor (editable) with its test, bench and examples extras"
+install -e "$repo[test,bench,examples]"
 "$venv/bin/python" "$repo/scripts/tiny_model.py" >/dev/null
-# srun and mpirun for the launcher tests (apt-get, as root; nothing once they are there)
-bash "$repo/scripts/setup_launchers.sh"
+# (the launchers the tests serve under, Slurm and Open MPI, are the test command's business:
+# scripts/test.sh runs scripts/setup_launchers.sh; serving needs neither)
 echo "setup: done ($venv)"

@@ -25,6 +25,7 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$repo/scripts/setup.sh"
+bash "$repo/scripts/setup_launchers.sh"  # the tests' Slurm, Open MPI and systemd-analyze (apt)
 venv="${KEEPALIVE_VENV:-$repo/.venv}"
 cd "$repo"
 "$venv/bin/ruff" check keepalive_executor tests benchmarks

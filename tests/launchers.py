@@ -30,8 +30,9 @@ def require(*tools: str) -> None:
     """Fail (never skip) when a launcher is missing: scripts/setup_launchers.sh installs them
     (as root, with apt-get), so a missing one is a broken set-up, not a reason to pass."""
     missing = [t for t in tools if shutil.which(t) is None]
-    assert not missing, (f"{', '.join(missing)} not installed: run `bash scripts/setup.sh` as "
-                         "root (it installs slurm-wlm, munge and openmpi-bin with apt-get)")
+    assert not missing, (f"{', '.join(missing)} not installed: run `bash "
+                         "scripts/setup_launchers.sh` as root (it installs slurm-wlm, munge, "
+                         "openmpi-bin and systemd with apt-get; scripts/test.sh runs it)")
 
 
 @contextmanager
