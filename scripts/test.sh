@@ -123,8 +123,10 @@ fi
 unset KEEPALIVE_SERIAL_LANES
 rm -f "$lanes_lock" "$lanes_lock.turnstile"
 end=$(date +%s)
-[ "$status" -eq 0 ] || python3 "$repo/scripts/test_events.py" "$KEEPALIVE_TEST_EVENTS" || true
-[ -z "$own_events" ] || rm -f "$own_events"
 echo "test.sh: phase 1 (two at a time) $((phase1 - start)) s, phase 2 (serial)" \
      "$((end - phase1)) s, in all $((end - start)) s; exit status $status"
+# Last, so that CI's excerpt of the log's end keeps them: what ran beside each failed test,
+# then the failed tests' names (and a property test's reproduction blob). Nothing after it.
+[ "$status" -eq 0 ] || python3 "$repo/scripts/test_events.py" "$KEEPALIVE_TEST_EVENTS" || true
+[ -z "$own_events" ] || rm -f "$own_events"
 exit "$status"

@@ -1,15 +1,18 @@
 """The tests' events file (tests/conftest.py writes it when KEEPALIVE_TEST_EVENTS names it):
 one line per event, ``<unix time> <what> <venv> <nodeid>``, where ``what`` is ``start`` or
-``end`` (a test's set-up to its teardown), ``failed`` (a phase of it failed) or ``lanes``
+``end`` (a test's set-up to its teardown), ``failed`` (a phase of it failed), ``replay`` (the
+nodeid is followed by a tab and the hypothesis reproduction blob of its failure) or ``lanes``
 (the nodeid is followed by a tab and the seconds it held the lanes' lock exclusively, shared,
 and waited for it).
 
     python3 scripts/test_events.py EVENTS
 
 prints, for every test that failed, the tests that ran beside it and for how long: a test that
-fails only on a loaded machine is diagnosed by what loaded it. scripts/test.sh runs this when
-the suite fails; scripts/suite_cpu.py reads the same file for CPU per test. Standard library
-only."""
+fails only on a loaded machine is diagnosed by what loaded it. Then, last, the failed tests'
+names, one a line, each with its reproduction blob if it has one: CI keeps a log's last
+lines, and the neighbours of a test that failed beside many can fill them. scripts/test.sh
+runs this at its very end when the suite fails; scripts/suite_cpu.py reads the same file for
+CPU per test. Standard library only."""
 
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ class Events:
     failed: list[str] = field(default_factory=list)
     #: test -> [exclusive, shared, waited] seconds of the lanes' lock
     held: dict[str, list[float]] = field(default_factory=dict)
+    #: test -> the hypothesis reproduction blob of its failure
+    replays: dict[str, str] = field(default_factory=dict)
 
 
 def parse(text: str) -> Events:
@@ -38,6 +43,9 @@ def parse(text: str) -> Events:
         if what == "lanes":
             name, _, figures = name.partition("\t")
             out.held[name] = [float(f) for f in figures.split()]
+        elif what == "replay":
+            name, _, blob = name.partition("\t")
+            out.replays[name] = blob
         elif what == "start":
             started[name] = float(when)
         elif what == "failed":
@@ -67,11 +75,32 @@ def beside(events: Events) -> list[str]:
     return lines
 
 
+#: the failed tests named at the end, at most (the rest are in the report above them)
+NAMED_LAST = 20
+
+
+def failed_last(events: Events) -> list[str]:
+    """The failed tests, one a line (a property test's blob under it), for the log's end."""
+    if not events.failed:
+        return ["no test recorded a failure: the run failed outside the tests (set-up, "
+                "collection, a tier's venv); see the log above"]
+    shown = events.failed[:NAMED_LAST]
+    lines = [f"{len(events.failed)} test{'s' if len(events.failed) > 1 else ''} failed:"]
+    for name in shown:
+        lines.append(f"FAILED {name}")
+        if name in events.replays:
+            lines.append(f"    replay: {events.replays[name]} on the test")
+    if len(events.failed) > len(shown):
+        lines.append(f"... and {len(events.failed) - len(shown)} more, named above")
+    return lines
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
-    for line in beside(parse(Path(argv[0]).read_text())):
+    events = parse(Path(argv[0]).read_text())
+    for line in [*beside(events), *failed_last(events)]:
         print(f"test_events: {line}")
     return 0
 

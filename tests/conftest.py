@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import re
 import sys
 import tempfile
 import time
@@ -15,6 +16,40 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 # the tiny local model's builder lives with the scripts (it is not part of the runtime)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+
+
+# ---------------------------------------------------------------- hypothesis in every run
+#
+# Randomized in every run, CI's included, every failure replayable. Random exploration is what
+# finds a bug no earlier run met (the executor's in-flight model bug was found so), and a
+# derandomized run repeats the same examples for as long as the code stands still; so no run
+# is derandomized, and instead: a failure's report carries its reproduction blob
+# (``@reproduce_failure(...)``: that example, exactly, on that test), which the events file
+# keeps too, for scripts/test_events.py to print last; and the example database is the
+# checkout's (.hypothesis/, or HYPOTHESIS_STORAGE_DIRECTORY), whatever the working directory
+# and the venv, shared by both phases and the 0.33/0.34 tier: the first examples a session
+# tries are the failures an earlier one saved. Hypothesis itself, when it sees CI set,
+# derandomizes and keeps no database; this profile says what the suite does in any
+# environment. No deadline and no too-slow health check: a loaded 2-core machine is no
+# measure of either. (Loaded here, before the test modules build their settings from the
+# default; --hypothesis-profile still wins. A run's seed is not forced: with
+# --hypothesis-seed, hypothesis uses no database.)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _hypothesis_profile() -> None:
+    from hypothesis import HealthCheck, settings
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    where = os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY") or os.path.join(REPO, ".hypothesis")
+    settings.register_profile(
+        "keepalive", parent=settings.get_profile("default"), derandomize=False,
+        print_blob=True, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+        database=DirectoryBasedExampleDatabase(os.path.join(where, "examples")))
+    settings.load_profile("keepalive")
+
+
+_hypothesis_profile()
 
 
 #: Where the reference files are as the run found them (set by the first pytest process,
@@ -129,10 +164,17 @@ def pytest_runtest_protocol(item, nextitem):
                 f"{figures[k]:.1f}" for k in ("exclusive", "shared", "waiting")))
 
 
+#: a hypothesis failure's reproduction blob, as its report prints it (print_blob, above)
+_BLOB = re.compile(r"@reproduce_failure\([^)]*\)")
+
+
 def pytest_runtest_logreport(report):
     path = os.environ.get(EVENTS_ENV)
     if path and report.failed:  # for scripts/test_events.py: what ran beside it
         _event(path, "failed", report.nodeid)
+        blob = _BLOB.search(report.longreprtext or "")
+        if blob:  # printed again with the failed test's name at the log's end
+            _event(path, "replay", f"{report.nodeid}\t{blob.group(0)}")
 
 
 def _event(path: str, what: str, nodeid: str) -> None:
