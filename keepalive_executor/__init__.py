@@ -31,6 +31,12 @@ collective never times out. Layout (one module, one role):
 * :mod:`~keepalive_executor.protections` what keeps a scenario alive, all on (a negative
   control's executor turns one off by subclassing)
 * :mod:`~keepalive_executor.pieces`      rank 0's pieces wired: start-up, failure, shutdown
+* :mod:`~keepalive_executor.run_dir`     the directory an engine shares with its front end
+* :mod:`~keepalive_executor.metrics`     rank 0's /metrics counters and their snapshot writer
+* :mod:`~keepalive_executor.collector`   the front end's /metrics collector of the snapshots
+* :mod:`~keepalive_executor.supervision` what a supervisor sees: ``vllm serve``'s exit status,
+  an engine that ends with its front end
+* :mod:`~keepalive_executor.reporting`   rank 0's reports (metrics, failure, watch) wired
 * :mod:`~keepalive_executor.worker_loop` the receive loop of ranks 1..N-1
 * :mod:`~keepalive_executor.exit_codes`, :mod:`~keepalive_executor.log`,
   :mod:`~keepalive_executor.errors` (``KeepaliveConfigError``, every start-up check's)

@@ -188,8 +188,7 @@ class KeepaliveExecutor(Executor):
             self.collective_rpc(_allocate_pipeline_buffers)
         if startup_timeouts.pending():  # every rank's groups back to the user's timeouts
             self.collective_rpc(_end_startup_timeouts)
-        if self._ranks is not None:
-            self._ranks.end_startup()
+        self._pieces.end_startup()  # the ranks' liveness, and /metrics' state
         return compilation_times
 
     def check_health(self) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 
 from keepalive_executor import compat
 from keepalive_executor.log import STACK_DUMP_SIGNAL, get_logger
+from keepalive_executor.metrics import RankStatus
 
 __all__ = [
     "WorkerHandle", "spawn_worker", "wait_for_ready", "WorkerMonitor", "stop_workers",
@@ -257,6 +258,8 @@ class SpawnedRanks:
         self._alive_wait = alive_wait  # False: ALIVE is read in wait_ready instead
         self._world_size = vllm_config.parallel_config.world_size
         self._monitor: WorkerMonitor | None = None
+        #: stop() began: a worker that ends now was told to
+        self._stopping = False
 
     def start(self, vllm_config: Any, settings: Any) -> None:
         """Spawn every worker; return once each said ALIVE (constructed, imports done):
@@ -306,6 +309,14 @@ class SpawnedRanks:
                         f"(exit code {w.proc.exitcode})")
         return None
 
+    def status(self) -> dict[int, RankStatus]:
+        """Each worker process: alive, or ended (a loss unless stop() asked it to)."""
+        out = {}
+        for w in self.workers:
+            up = w.proc.is_alive()
+            out[w.rank] = RankStatus(up, lost_cause=None if up or self._stopping else "exited")
+        return out
+
     def end_startup(self) -> None:
         """Nothing: a sentinel fires when a process ends, however long its GIL is held."""
 
@@ -328,6 +339,7 @@ class SpawnedRanks:
 
     def stop(self, *, failed: bool) -> dict[int, int | None]:
         """Stop the monitor, then reap the workers (death pipes first after a failure)."""
+        self._stopping = True
         if self._monitor is not None:
             self._monitor.stop()
         stop_workers(self.workers, SHUTDOWN_GRACE_S, close_first=failed)

@@ -70,6 +70,7 @@ from keepalive_executor.pacer import Pacer
 from keepalive_executor.polled import StepCaller
 from keepalive_executor.protections import Protections
 from keepalive_executor.ranks import Ranks, make_ranks
+from keepalive_executor.reporting import Reporting, describe
 from keepalive_executor.rpc import RpcReply, gather_replies
 from keepalive_executor.steps import Step, StepRunner
 
@@ -144,6 +145,10 @@ class Pieces:
         self.step_caller: StepCaller | None = None
         #: NCCL/RCCL: aborts this process's groups when a step is given up (nccl.py)
         self.abort_groups: Callable[[], object] | None = None
+        #: the /metrics snapshot, the failure record, the front end's watch (reporting.py)
+        self.report = Reporting(protections)
+        #: the engine's start-up is over (every rank answered its warm-up)
+        self.started = False
         #: every other rank's exit code, once shutdown reaped them (spawned ranks only)
         self.worker_exit_codes: dict[int, int | None] = {}
 
@@ -152,6 +157,8 @@ class Pieces:
         """Validate, bring every rank up, wire the pieces, load the model. On any error:
         tell the other ranks, shut down, raise."""
         ranks = self.ranks = make_ranks(vllm_config, self.protections)
+        # from the first moment: an engine whose front end is gone ends, start-up included
+        self.report.watch_frontend(on_gone=self.fail, end_ranks=self.kill)
         try:
             settings = validate(vllm_config)
             if not self.protections.startup_timeouts:
@@ -210,6 +217,8 @@ class Pieces:
             self.outputs = OutputReceiver(link, on_lost=self.fail)
         gather = partial(_gather, group=reply_group,
                          world_size=self.parallel_config.world_size, dst=channel.src)
+        self.report.start_metrics(vllm_config, settings, channel.frame_bytes,
+                                  lambda: describe(self.life, self.ranks, self.started))
         self.wire(settings, channel, driver, gather)
         if not early_watch:
             ranks.watch(self.fail)
@@ -231,7 +240,8 @@ class Pieces:
         # the pacer is told nothing: it reads the steps in flight from the lifecycle and
         # the last frame's time from the channel when it wakes (pacer.py)
         self.pacer = Pacer(
-            settings.interval_s, channel.send_keepalive, send_lock=channel.send_lock,
+            settings.interval_s, self.report.counted(channel.send_keepalive),
+            send_lock=channel.send_lock,
             busy=lambda: life.in_flight > 0, last_frame=lambda: channel.last_sent_at,
             clock=clock, on_failure=lambda e: self.fail(f"keepalive broadcast failed: {e}"),
             on_thread_start=channel.bind_thread,
@@ -241,6 +251,7 @@ class Pieces:
             gather=gather, fail=self._fail_in_step, execute_timeout_s=settings.execute_timeout_s,
             error_window_s=settings.failure_grace_s,
             expect=None if self.outputs is None else self.outputs.expect,
+            meter=self.report.meter,
         )
         if self.polls:
             self.step_caller = StepCaller()
@@ -272,6 +283,7 @@ class Pieces:
             callback, self.failure_callback = self.failure_callback, None
         logger.error("keepalive executor failed: %s", reason)
         torchrun.record_failure(reason)
+        self.report.failed(reason)
         if self.channel is not None:
             self.channel.close()
         if self.pacer is not None:
@@ -286,6 +298,13 @@ class Pieces:
             )
         if callback is not None:
             callback()
+
+    def end_startup(self) -> None:
+        """The engine's start-up is over: every rank answered its warm-up."""
+        if self.ranks is not None:
+            self.ranks.end_startup()
+        self.started = True
+        self.report.changed()
 
     def dead_worker(self) -> str | None:
         """The first rank known to be dead, if the ranks can tell (spawned ranks)."""
@@ -349,6 +368,7 @@ class Pieces:
     def shutdown(self) -> None:
         """Stop the pacer, receive the outputs of steps still in flight (PP, bounded), send
         SHUTDOWN (unless failed), reap the ranks. Idempotent."""
+        self.report.shutting_down()
         previous = self.life.stop()
         if previous is ExecutorState.STOPPED:
             return
@@ -366,6 +386,7 @@ class Pieces:
         if not failed and channel is not None and steps is not None and not channel.closed:
             _send_shutdown(steps.owner, channel.send_shutdown, SHUTDOWN_SEND_S)
         codes = self.ranks.stop(failed=failed) if self.ranks is not None else {}
+        self.report.stop(failed=failed)
         self.worker_exit_codes = codes
         if self.driver is not None:
             # Bounded: after a failure rank 0's thread may be stuck in a step that was

@@ -6,6 +6,12 @@ knows only its built-in names and dotted import paths; we wrap it so that exactl
 ``keepalive`` maps to :class:`~keepalive_executor.executor.KeepaliveExecutor` (after the
 start-up checks, so a bad setting fails in the front end before any model loads) and every
 other value takes vLLM's own path unchanged.
+
+It also installs what the process that starts the engines needs, wherever the plugin loads
+(each is idempotent and cheap, and harmless in a process that never serves):
+keepalive's ``/metrics`` collector (collector.py) and ``vllm serve``'s exit status
+(supervision.py). A process that resolves the keepalive executor claims a run directory for
+the engines it starts (run_dir.py), unless it already belongs to one.
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ def register() -> None:
             )
         if executor_class is not None:
             executor_class.validate(vllm_config)
+            from keepalive_executor import run_dir
+
+            run_dir.claim(force=False)  # before the engine processes start: they inherit it
             return executor_class
         return vllm_get_class(vllm_config)
 
@@ -75,6 +84,20 @@ def register() -> None:
     setattr(get_class, _MARK, True)
     Executor.get_class = staticmethod(get_class)  # type: ignore[method-assign]
     _let_the_name_carry_supports_pp()
+    _install_front_end()
+
+
+def _install_front_end() -> None:
+    """keepalive's /metrics collector, and `vllm serve`'s exit status (never fatal)."""
+    from keepalive_executor import collector, supervision
+    from keepalive_executor.log import get_logger
+
+    try:
+        collector.install()
+        supervision.install_exit_status()
+    except Exception:  # noqa: BLE001 - neither is a reason not to serve
+        get_logger(__name__).warning("keepalive: /metrics or exit status not installed",
+                                     exc_info=True)
 
 
 def _let_the_name_carry_supports_pp() -> None:

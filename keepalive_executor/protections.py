@@ -41,6 +41,13 @@ class Protections:
     #: shorter, the user's from the end of the warm-up on (off: ranks that reach one further
     #: apart than the user's timeout fail the start-up)
     startup_timeouts: bool = True
+    #: the executor's /metrics series: rank 0's counters and the snapshot the front end's
+    #: collector reads (off: no snapshot, so no vllm_keepalive_ series)
+    metrics: bool = True
+    #: what a supervisor sees: a failure recorded for `vllm serve`'s exit status, and the
+    #: engine ended when the process that started it is gone (off: `vllm serve` exits 0
+    #: after a failure, and an engine outlives a killed API server, as under mp)
+    supervision: bool = True
 
     def off(self) -> list[str]:
         """The names of the protections turned off."""

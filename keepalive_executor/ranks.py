@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from keepalive_executor.metrics import RankStatus
 from keepalive_executor.protections import Protections
 
 __all__ = ["Ranks", "make_ranks"]
@@ -62,6 +63,9 @@ class Ranks(Protocol):
 
     def tell_error(self, message: str) -> None:
         """Rank 0 will not start: let the waiting ranks exit with ``message``."""
+
+    def status(self) -> dict[int, RankStatus]:
+        """Every other rank's status now (cheap: read by the /metrics snapshot writer)."""
 
     def dump_stacks(self) -> int:
         """Have every other rank this process can reach write its Python stacks to its log

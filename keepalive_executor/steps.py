@@ -104,6 +104,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -118,6 +119,7 @@ from keepalive_executor.connectors import StepReply
 from keepalive_executor.deferred import DeferredOutputs
 from keepalive_executor.lifecycle import ExecutorFailedError, Lifecycle, StepInProgress
 from keepalive_executor.log import get_logger
+from keepalive_executor.metrics import NullMeter, StepMeter
 from keepalive_executor.outputs import resolve_output, settle
 from keepalive_executor.rpc import (
     Replies,
@@ -238,9 +240,11 @@ class _Run:
     """One submitted step's state and its lifecycle entry. The state is written by the
     driver thread and read by the calling thread when it leaves the step, under ``lock``."""
 
-    def __init__(self, step: Step, entry: StepInProgress) -> None:
+    def __init__(self, step: Step, entry: StepInProgress, submitted: float) -> None:
         self.step = step
         self.entry = entry
+        #: when the engine made the call (time.perf_counter), for the dispatch time
+        self.submitted = submitted
         self.state = StepState.QUEUED
         self.lock = threading.Lock()
 
@@ -287,6 +291,7 @@ class StepRunner:
         execute_timeout_s: float,
         error_window_s: float,
         expect: Expect | None = None,
+        meter: StepMeter | None = None,
     ) -> None:
         self._channel = channel
         self._driver = driver
@@ -296,6 +301,8 @@ class StepRunner:
         self._execute_timeout_s = execute_timeout_s
         self._error_window_s = error_window_s
         self._expect = expect
+        #: /metrics counters, bumped on the driver thread after each broadcast (metrics.py)
+        self._meter = meter if meter is not None else NullMeter()
         self.owner = threading.RLock()
         self.deferred = DeferredOutputs(self.run_local)
         #: the sampled half of the last fused step, until sample_tokens takes it
@@ -306,12 +313,13 @@ class StepRunner:
         """Run ``step``: broadcast, rank 0's part, what its reply policy waits for. Returns
         its answer as a Future once rank 0's part is done (an Exception goes into the
         Future; a ``BaseException`` such as ``KeyboardInterrupt`` propagates)."""
+        submitted = time.perf_counter()
         try:
             if (self._sampled is not None and step.model
                     and step.request.method == "sample_tokens"):
                 return self._take_sampled(step)
             data = encode_request(step.request)  # before anything is held or sent
-            with self.owner, self._held(step) as run:
+            with self.owner, self._held(step, submitted) as run:
                 if step.model:  # the engine moved on; a user's collective_rpc leaves it
                     self._drop_unclaimed(step.name)
                 outcome = self._driver.run(self._on_rank0, run, data)
@@ -323,12 +331,12 @@ class StepRunner:
 
     # ------------------------------------------------------------------ what a step holds
     @contextmanager
-    def _held(self, step: Step) -> Iterator[_Run]:
+    def _held(self, step: Step, submitted: float) -> Iterator[_Run]:
         """The step's lifecycle entry (refused once failed; the step watch's deadline; in
         flight, so the pacer sends no keepalive), and the out-of-step rule."""
         timeout_s, source = ((self._execute_timeout_s, EXECUTE_TIMEOUT_SOURCE) if step.model
                              else (step.timeout_s, "the call's timeout"))
-        run = _Run(step, self._life.enter(step.name, timeout_s, source))
+        run = _Run(step, self._life.enter(step.name, timeout_s, source), submitted)
         try:
             yield run
         except StepBroken as broken:
@@ -386,6 +394,10 @@ class StepRunner:
         except ChannelError as e:
             reason = f"broadcast of {run.step.name} failed: {e}"
             raise StepBroken(reason, _failed_error(reason, e)) from e
+        step = run.step
+        kind = ("rpc" if not step.model
+                else "sample" if step.request.method == "sample_tokens" else "execute")
+        self._meter.step_sent(kind, len(data), time.perf_counter() - run.submitted)
         run.move(StepState.SENT)
 
     def _invoke(self, run: _Run) -> Any:

@@ -58,6 +58,22 @@ class ShortStartupTimeouts(KeepaliveExecutor):
     protections = Protections(startup_timeouts=False)
 
 
+class NoSupervision(KeepaliveExecutor):
+    """No failure record and no watch over the front end: `vllm serve` exits 0 after its
+    executor failed, and an engine outlives a killed API server (as under mp)."""
+
+    protections = Protections(supervision=False)
+
+
+class NoKeepalivesNoMetricsNoSupervision(KeepaliveExecutor):
+    """test_serve.py's control: no pacer (it dies of an idle period), no /metrics snapshot
+    (so no vllm_keepalive_ series), no failure record (so its `vllm serve` exits 0 after
+    that death). One server for three negative controls: each check on it fails for the
+    one protection it names, the others play no part in it."""
+
+    protections = Protections(keepalives=False, metrics=False, supervision=False)
+
+
 class KeepalivesUntilArmed(KeepaliveExecutor):
     """The keepalive executor, every protection on, until a test creates the file
     ``stop_keepalives`` in ``KEEPALIVE_FAULT_DIR`` (tests/fault_injection.py's way of arming
@@ -94,4 +110,6 @@ BY_PROTECTION = {
     "shutdown_drain": NoShutdownDrain,
     "connector_merge": NoConnectorMerge,
     "startup_timeouts": ShortStartupTimeouts,
+    "metrics": NoKeepalivesNoMetricsNoSupervision,
+    "supervision": NoSupervision,
 }

@@ -57,7 +57,9 @@ class Server:
 
     def __init__(self, model: str, log_path: Path, *, tp: int = 2, backend: str = "keepalive",
                  extra_args: list[str] | None = None, extra_env: dict | None = None,
-                 pp: int = 1):
+                 pp: int = 1, wrapper: list[str] | None = None):
+        """``wrapper``: a command the server runs under (tests/subreaper.py), which is then
+        ``proc``; the server is its child."""
         self.port = free_port()
         self.log_path = log_path
         args = [
@@ -74,6 +76,7 @@ class Server:
         # one entry per rank, by local rank; 4 ranks share the 2 CPUs of this machine
         if extra_env is None or "VLLM_CPU_OMP_THREADS_BIND" not in extra_env:
             e["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(("0", "1")[r % 2] for r in range(tp * pp))
+        args = [*(wrapper or []), *args]
         self.args = args
         self.leftovers: list[str] = []
         self._log = open(log_path, "w")

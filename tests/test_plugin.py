@@ -128,10 +128,14 @@ def test_a_negative_controls_executor_is_the_keepalive_executor_with_one_protect
     assert controls.NoKeepalivesNoLiveness.protections.off() == ["keepalives", "liveness"]
     assert controls.NoAliveWaitNoStartupTimeouts.protections.off() == ["alive_wait",
                                                                        "startup_timeouts"]
-    pairs = (controls.NoKeepalivesNoLiveness, controls.NoAliveWaitNoStartupTimeouts)
+    # and test_serve's control three at once (one check on it per protection)
+    assert controls.NoKeepalivesNoMetricsNoSupervision.protections.off() == [
+        "keepalives", "metrics", "supervision"]
+    several = (controls.NoKeepalivesNoLiveness, controls.NoAliveWaitNoStartupTimeouts,
+               controls.NoKeepalivesNoMetricsNoSupervision)
     assert [c.protections.off() for c in controls.BY_PROTECTION.values()
-            if c not in pairs] == [[n] for n in controls.BY_PROTECTION
-                                   if n not in ("liveness", "alive_wait")]
+            if c not in several] == [[n] for n in controls.BY_PROTECTION
+                                     if n not in ("liveness", "alive_wait", "metrics")]
     assert keepalive_class("mp") is None
     assert keepalive_class("vllm.v1.executor.multiproc_executor.MultiprocExecutor") is None
     assert keepalive_class("no.such.Class") is None

@@ -161,6 +161,11 @@ class LivenessCore:
             if read - since > limit
         )
 
+    def still_for(self, now: float) -> dict[int, float]:
+        """Each rank's seconds since its counter was last seen to move (its first read, if
+        it never moved): the heartbeat's age, as far as the reads can tell."""
+        return {r: max(0.0, now - since) for r, (_, since, _) in self._seen.items()}
+
     def store_silent(self, now: float) -> float | None:
         """Seconds since some rank's counter was last read, if past the timeout, else None."""
         if not self._seen:
@@ -266,6 +271,8 @@ class LivenessMonitor(_Periodic):
         self._last_error: BaseException | None = None
         self._reader = threading.Thread(target=self._read_loop, name="keepalive-liveness-reader",
                                         daemon=True)
+        #: the rank declared lost, once one is (a store's silence declares none)
+        self.lost_rank: int | None = None
 
     def start(self) -> None:
         """Start the reader and the decision thread (once)."""
@@ -285,6 +292,11 @@ class LivenessMonitor(_Periodic):
                 "the warm-up); allowed there, but from now on a rank still for %s=%gs is "
                 "lost: raise it if that rank can stall so long while serving",
                 rank, still, ENV_LIVENESS, self._core.timeout_s)
+
+    def heartbeat_ages(self) -> dict[int, float]:
+        """Each watched rank's heartbeat age now (see :meth:`LivenessCore.still_for`)."""
+        with self._lock:
+            return self._core.still_for(self._clock())
 
     def _read_loop(self) -> None:
         while not self._stop.is_set():
@@ -315,6 +327,8 @@ class LivenessMonitor(_Periodic):
             starting = self._core.starting
             if silent is not None or lost:
                 self._stop.set()  # both threads end; on_lost runs once, below
+            if lost and silent is None:
+                self.lost_rank = lost[0][0]
         if excused >= self._core.timeout_s / 2:
             logger.warning(
                 "keepalive liveness: this process ran no heartbeat check for %.2fs (a C call "

@@ -9,6 +9,7 @@ from typing import Any
 
 from keepalive_executor.config import startup_timeout_s
 from keepalive_executor.log import STACK_DUMP_SIGNAL, get_logger
+from keepalive_executor.metrics import RankStatus
 from keepalive_executor.torchrun.bootstrap import (
     connect_store,
     init_world_process_group,
@@ -114,6 +115,16 @@ class TorchrunRanks:
             self._liveness_timeout_s, on_death,
         )
         self._monitor.start()
+
+    def status(self) -> dict[int, RankStatus]:
+        """Each follower: up unless the heartbeat monitor declared it lost, with its
+        heartbeat's age (no monitor yet, or none: up, age unknown)."""
+        monitor = self._monitor
+        ages = monitor.heartbeat_ages() if monitor is not None else {}
+        lost = monitor.lost_rank if monitor is not None else None
+        return {r: RankStatus(r != lost, ages.get(r),
+                              "heartbeat" if r == lost else None)
+                for r in range(1, self.env.world_size)}
 
     def dump_stacks(self) -> int:
         """The followers are torchrun's processes, maybe on other nodes: this process cannot

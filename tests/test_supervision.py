@@ -1,0 +1,217 @@
+"""What a supervisor sees (keepalive_executor/supervision.py).
+
+Without an engine: `vllm serve`'s command is wrapped where vLLM binds it, and the wrapper's
+exit status follows the run's failure records; the front end's watch, between real
+processes. With real `vllm serve` servers under a child subreaper (tests/subreaper.py, as
+systemd or a container runtime is one): the API server SIGKILLed ends the engine process
+(non-zero) and its ranks within a bound, and the negative control (controls.NoSupervision)
+leaves them running. The exit status after a worker's death, and its control:
+test_serve.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import lanes
+import psutil
+import pytest
+from run_engine import HERE
+from servers import Server
+
+from keepalive_executor import exit_codes, run_dir
+from keepalive_executor.supervision import FRONTEND_GONE_EXIT_S, serve_with_exit_status
+
+#: API server SIGKILLed -> every process of the engine gone: the watch's reaction is a pidfd
+#: wake-up, then FRONTEND_GONE_EXIT_S; seen 1.15 s here. A bound for a loaded machine.
+GONE_BOUND_S = FRONTEND_GONE_EXIT_S + 9.0
+#: the control: still running this long after its API server was killed
+CONTROL_ALIVE_S = 15.0
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    base = tmp_path / "rt"
+    base.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
+    monkeypatch.delenv(run_dir.FRONTEND_ENV, raising=False)
+
+
+@pytest.mark.fast
+def test_the_serve_command_exits_1_after_a_recorded_failure_and_0_after_a_clean_end(run):
+    def failing() -> None:
+        run_dir.record_failure("worker rank 1 (pid 7) died unexpectedly (exit code -9)")
+
+    assert serve_with_exit_status(failing) == exit_codes.FAILED
+    assert run_dir.failures(os.getpid()) == []  # the run directory is gone with the command
+    assert serve_with_exit_status(lambda: None) == exit_codes.OK
+    assert serve_with_exit_status(lambda: sys.exit(0)) == exit_codes.OK
+    with pytest.raises(SystemExit) as e:  # vLLM's own non-zero exit is kept
+        serve_with_exit_status(lambda: sys.exit(3))
+    assert e.value.code == 3
+
+
+@pytest.mark.fast
+def test_vllms_cli_binds_the_wrapped_serve_command():
+    """In a fresh process, as `vllm` does (vllm/entrypoints/cli/main.py): the plugin loads
+    while the serve subcommand's parser is built, before the command is bound to it."""
+    script = textwrap.dedent("""
+        import vllm.entrypoints.cli.serve as serve
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        parser = FlexibleArgumentParser()
+        subparsers = parser.add_subparsers(dest="subparser")
+        for cmd in serve.cmd_init():
+            cmd.subparser_init(subparsers).set_defaults(dispatch_function=cmd.cmd)
+        args = parser.parse_args(["serve", "some-model"])
+        print(getattr(args.dispatch_function, "_keepalive_exit_status", False))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "True"
+
+
+WATCHED = textwrap.dedent("""
+    # the engine process: watches its parent (the front end) as keepalive's engine does
+    import os, sys, time
+    from keepalive_executor.supervision import FrontendWatch
+    out = sys.argv[1]
+    def note(what):
+        with open(out, "a") as f:
+            f.write(what + "\\n")
+    watch = FrontendWatch.for_this_engine(lambda reason: note("gone: " + reason),
+                                          lambda: note("ranks ended"))
+    watch.start()
+    if sys.argv[2] == "stop":
+        watch.stop()  # a shutdown began: the front end may end first
+    note("watching")
+    time.sleep(600)
+""")
+FRONT_END = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from keepalive_executor import run_dir
+    run_dir.claim(force=True)
+    subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]])
+    time.sleep(600)
+""")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("stopped", [False, True], ids=["watching", "stopped-control"])
+def test_the_engine_ends_with_its_front_end_unless_its_shutdown_began(tmp_path, run, stopped):
+    notes = tmp_path / "notes"
+    status = tmp_path / "status"
+    reaper = subprocess.Popen(
+        [sys.executable, str(HERE / "subreaper.py"), str(status), "--", sys.executable, "-c",
+         FRONT_END, WATCHED, str(notes), "stop" if stopped else "go"])
+    try:
+        deadline = time.monotonic() + 60
+        while "watching" not in (notes.read_text() if notes.exists() else ""):
+            assert time.monotonic() < deadline and reaper.poll() is None
+            time.sleep(0.05)
+        [front_end] = psutil.Process(reaper.pid).children()
+        [engine] = front_end.children()
+        front_end.kill()
+        t0 = time.time()
+        if stopped:  # the control: nothing happens
+            time.sleep(FRONTEND_GONE_EXIT_S + 2)
+            assert engine.is_running() and notes.read_text() == "watching\n"
+            engine.kill()
+        reaper.wait(30)
+        lines = [json.loads(line) for line in status.read_text().splitlines()]
+        ended = {line["pid"]: line for line in lines}
+        if not stopped:
+            assert ended[engine.pid]["code"] == exit_codes.ORPHANED, ended
+            assert ended[engine.pid]["at"] - t0 < FRONTEND_GONE_EXIT_S + 5
+            assert notes.read_text().splitlines()[1:] == [
+                f"gone: the process that started this engine (pid {front_end.pid}, vLLM's "
+                "front end) is gone; this engine and its ranks end with it", "ranks ended"]
+    finally:
+        for p in psutil.Process(reaper.pid).children(recursive=True) if reaper.poll() is None \
+                else []:
+            p.kill()
+        reaper.kill()
+
+
+# ---------------------------------------------------------------------- real servers
+
+
+def _server(tiny_model: str, tmp_path: Path, name: str, backend: str) -> Server:
+    server = Server(tiny_model, tmp_path / f"{name}.log", backend=backend,
+                    wrapper=[sys.executable, str(HERE / "subreaper.py"),
+                             str(tmp_path / f"{name}.status"), "--"],
+                    extra_env={"PYTHONPATH": os.pathsep.join(
+                        [str(HERE), os.environ.get("PYTHONPATH", "")])})
+    server.status_path = tmp_path / f"{name}.status"
+    return server
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
+    """A keepalive server and the negative control, started at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tmp_path = tmp_path_factory.mktemp("supervision")
+    servers: dict[str, Server] = {}
+    try:
+        servers["keepalive"] = _server(tiny_model, tmp_path, "ka", "keepalive")
+        servers["control"] = _server(tiny_model, tmp_path, "control", "controls.NoSupervision")
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(Server.wait_ready, servers.values()))
+        yield servers
+    finally:
+        for server in servers.values():
+            for p in server.tree():
+                p.kill()
+            server.stop()
+
+
+def _engine_tree(server: Server) -> tuple[psutil.Process, list[psutil.Process]]:
+    """The API server (the subreaper's child) and the processes it started."""
+    [api] = psutil.Process(server.proc.pid).children()
+    return api, api.children(recursive=True)
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_a_killed_api_server_takes_its_engine_and_ranks_with_it_control_outlives_it(pair):
+    """SIGKILL of the API server (the OOM killer, `kill -9`): the engine process and its rank
+    end within the bound, the engine with a non-zero status, nothing left; under the control
+    (no watch) both still run long after, as under mp."""
+    server = pair["keepalive"]
+    api, engine_tree = _engine_tree(server)
+    assert len(engine_tree) >= 2, engine_tree  # the engine process and rank 1 (at least)
+    [engine] = [p for p in engine_tree if "EngineCore" in " ".join(p.cmdline()) or
+                "EngineCore" in p.name()]
+    with lanes.alone():
+        api.kill()
+        t0 = time.time()
+        server.proc.wait(GONE_BOUND_S + 5)  # the subreaper: no child of its tree left
+    ended = {json.loads(line)["pid"]: json.loads(line)
+             for line in server.status_path.read_text().splitlines()}
+    # the subreaper waited for every process that was left to it (an engine reaps its own
+    # ranks when it ends them), so each is gone: none runs, none is an unreaped zombie
+    assert [p for p in engine_tree if psutil.pid_exists(p.pid)] == []
+    took = ended[engine.pid]["at"] - t0
+    assert took < GONE_BOUND_S, (took, ended)
+    assert ended[engine.pid]["code"] not in (None, 0), ended[engine.pid]
+    assert "vLLM's front end) is gone; this engine and its ranks end with it" in server.log()
+    print(f"API server killed: engine and ranks gone {took:.2f}s later, engine exit "
+          f"{ended[engine.pid]}")
+
+    control = pair["control"]
+    api, engine_tree = _engine_tree(control)
+    api.kill()
+    lanes.idle(CONTROL_ALIVE_S)
+    alive = [p for p in engine_tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == engine_tree, "the control's engine ended with its API server"
+    for p in alive:
+        p.send_signal(signal.SIGKILL)
+    control.proc.wait(30)
