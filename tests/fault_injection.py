@@ -27,6 +27,14 @@ Start-up delays of rank 1 (environment, inherited by its process), for
 * ``KEEPALIVE_DIE_BEFORE_RENDEZVOUS`` exit with this code just before it joins them (after
   ALIVE: a GPU ``init_device`` failure, say), first writing the time of death
   (``time.time()``) to the file ``KEEPALIVE_DEATH_STAMP``
+
+and of rank 0:
+
+* ``KEEPALIVE_LATE_RANK0_S``  rank 0 sleeps this long just before it joins the process
+  groups, while every other rank already waits there: in torchrun mode in its worker's
+  constructor (rank 0 joins the default group after it, before ``init_device``; the
+  followers join as soon as they have the bootstrap), in the spawned mode at the start of
+  ``init_device`` (after every worker said ALIVE and went on into its own)
 """
 
 from __future__ import annotations
@@ -68,15 +76,34 @@ def stall_rank1_in_rpc(worker: Any, seconds: float) -> int:
     return worker.rank
 
 
+def _torchrun_mode() -> bool:
+    from keepalive_executor.torchrun.env import LAUNCHER_ENV
+
+    return os.environ.get(LAUNCHER_ENV) == "torchrun"
+
+
+def _late_rank0(where: str) -> None:
+    seconds = float(os.environ.get("KEEPALIVE_LATE_RANK0_S", "0"))
+    if seconds:
+        print(f"fault_injection: rank 0 joins the process groups {seconds:g}s late ({where})",
+              flush=True)
+        time.sleep(seconds)
+
+
 class SlowStartCPUWorker(CPUWorker):
-    """A CPUWorker whose rank 1 is slow to start, or dies before the rendezvous."""
+    """A CPUWorker whose rank 1 is slow to start, or dies before the rendezvous; or whose
+    rank 0 is late to the rendezvous."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.rank == 1:
             time.sleep(float(os.environ.get("KEEPALIVE_SLOW_CONSTRUCT_S", "0")))
+        if self.rank == 0 and _torchrun_mode():
+            _late_rank0("torchrun mode, before the default group")
 
     def init_device(self) -> None:
+        if self.rank == 0 and not _torchrun_mode():
+            _late_rank0("spawned mode, in init_device")
         if self.rank == 1:
             code = os.environ.get("KEEPALIVE_DIE_BEFORE_RENDEZVOUS")
             if code is not None:

@@ -177,3 +177,34 @@ def test_a_rank_later_than_the_timeout_to_the_profile_run_starts_and_the_timeout
     assert res["stall_s"] < 10.0, res  # the 5 s, not the stall's end
     print(f"TP all-reduce in the {res['tp_all_reduce']}; the stall failed after "
           f"{res['stall_s']:.2f}s: {res['stall_error'][:200]}")
+
+
+#: how late rank 0 is to the process groups, against a 5 s collective timeout (the same as
+#: test_torchrun.py's follower test)
+LATE_RANK0_S = 8
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+@pytest.mark.parametrize("backend", [
+    # overlappable: its one claim is a start-up under the start-up timeout, which load only
+    # makes harder; the control's claim is its start-up: alone
+    pytest.param("keepalive", marks=pytest.mark.overlappable, id="raised"),
+    pytest.param("controls.ShortStartupTimeouts", id="negative-control")])
+def test_spawned_ranks_wait_for_rank0_later_than_the_timeout_to_the_rendezvous(tiny_model,
+                                                                              backend):
+    """The spawned mode with torchrun mode's lateness (test_torchrun.py): an engine (TP=2,
+    in-process) with a 5 s collective timeout whose rank 0 joins the process groups 8 s
+    after rank 1 said ALIVE and went on into its own init_device. Rank 1 waits under the
+    start-up timeout: the engine starts and generates. Negative control, the same under the
+    user's timeout (controls.ShortStartupTimeouts): it fails."""
+    res = run_script("slow_start", model=tiny_model, timeout_s=5, backend=backend, extra_env={
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(HERE),
+        "KEEPALIVE_LATE_RANK0_S": str(LATE_RANK0_S)})
+    if backend != "keepalive":
+        assert not res["started"], res
+        # rank 1's wait for rank 0 timed out, and the rank with it
+        assert "worker rank 1" in res["error"] and "died" in res["error"], res
+        return
+    assert res["started"] and res["tokens"] == 4, res
+    assert res["elapsed_s"] > LATE_RANK0_S, res  # the hook acted

@@ -121,6 +121,57 @@ def test_one_node_serves_like_mp_survives_idle_and_notices_a_frozen_rank1_by_its
     assert left_after(procs, 10) == []
 
 
+#: how late rank 0 is to the process groups (tests/fault_injection.py), against the 5 s
+#: collective timeout its follower already waits there with
+LATE_RANK0_S = "8"
+
+
+@pytest.mark.slow
+@serial
+@pytest.mark.parametrize("backend", [
+    # overlappable: its one claim is a start-up under the start-up timeout, which load only
+    # makes harder; the control's claim is its start-up: alone
+    pytest.param("keepalive", marks=pytest.mark.overlappable, id="raised"),
+    pytest.param("controls.ShortStartupTimeouts", id="negative-control")])
+def test_one_node_a_follower_waits_for_rank0_later_than_the_timeout_to_the_default_group(
+        tiny_model, tmp_path, backend):
+    """Rank 0 reaches the default group 8 s after its follower (it posts the bootstrap, then
+    builds its worker, which takes long on a busy machine), the collective timeout is 5 s:
+    the follower joins under the start-up timeout as rank 0 does, so the server starts and
+    serves, and both ranks give their groups the user's timeout back at the end of the
+    start-up. Negative control (controls.ShortStartupTimeouts, whose bootstrap carries no
+    start-up timeout): the follower gives up at the 5 s, and with it the launch. (The spawned
+    mode with the same lateness: test_startup_timeouts.py.)"""
+    server = TorchrunServer(
+        tiny_model, tmp_path,
+        extra_args=[*ARGS, "--worker-cls", "fault_injection.SlowStartCPUWorker",
+                    "--distributed-executor-backend", backend],
+        extra_env={"PYTHONPATH": PYTHONPATH, "KEEPALIVE_LATE_RANK0_S": LATE_RANK0_S})
+    gave_up = "rank 1 could not join the process group"
+    try:
+        if backend == "keepalive":
+            server.wait_ready()
+            assert ask(server.client())["completion"]
+        else:  # until the follower gives up (then the test ends the launch: torchrun would
+            # take 30 s to SIGKILL rank 0, still building its worker)
+            deadline = time.monotonic() + 180
+            while gave_up not in server.log() and time.monotonic() < deadline:
+                assert server.proc.poll() is None, failure_excerpt(server.log())
+                time.sleep(0.5)
+        procs = server.tree()
+        log = server.log()
+    finally:
+        server.stop(timeout=60 if backend == "keepalive" else 2)
+    assert f"rank 0 joins the process groups {LATE_RANK0_S}s late" in log  # the hook acted
+    if backend != "keepalive":
+        assert gave_up in log, failure_excerpt(log)
+        assert "wait timeout after 5000ms" in log, failure_excerpt(log)  # the user's 5 s
+        return
+    # the start-up's end on both ranks: rank 0's, and rank 1's through the RPC that ends it
+    assert log.count("start-up over; ") == 2, failure_excerpt(log)
+    assert left_after(procs, 10) == []
+
+
 CONTROL_TIMEOUT = "15"  # longer than the frozen spell below, so only the idle ends it
 
 

@@ -45,7 +45,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from keepalive_executor import exit_codes
+from keepalive_executor import exit_codes, startup_timeouts
 from keepalive_executor.config import KeepaliveConfigError, startup_timeout_s
 from keepalive_executor.log import get_logger, register_stack_dump
 from keepalive_executor.torchrun.bootstrap import (
@@ -291,7 +291,12 @@ def _follow(env: TorchrunEnv) -> int:
     following.set()
     try:
         try:
-            init_world_process_group(env, vllm_config, timeout_s)
+            # under the start-up timeout, as rank 0 joins it (and as spawned workers join
+            # their groups): rank 0 comes only once it has built its worker, which on a busy
+            # machine can take longer than the user's timeout (startup_timeouts.py)
+            with startup_timeouts.during_startup(vllm_config.parallel_config,
+                                                 boot["spec"].startup_timeout_s):
+                init_world_process_group(env, vllm_config, timeout_s)
         except Exception:  # noqa: BLE001 - logged; torchrun sees the exit code
             logger.exception("rank %d could not join the process group", env.rank)
             return exit_codes.FAILED
