@@ -17,7 +17,9 @@ vLLM     what an executor outside vLLM meets
          ``vllm.entrypoints.launchers`` to ``vllm.entrypoints.common`` (tests only).
 0.34     ``Executor.compile_or_warm_up_model`` returns every rank's ``CompilationTimes`` and
          the engine iterates them when the extensible KV cache is on (the default on
-         CUDA/ROCm): an override must return what the base returns. The busy loop takes
+         CUDA/ROCm): an override must return what the base returns. The warm-up is no
+         longer the start-up's last call: the KV cache's commit (``extend_kv_cache``) and
+         SimpleCPUOffload's block count follow it (``last_startup_call``). The busy loop takes
          new requests and aborts while a step runs when the step's future has ``poll()``
          and ``wait_briefly()`` (``EngineCoreProc._wait_for_output``). Only the V2 model
          runner is left (no receive-buffer fix needed). The fault-tolerance sentinel reads
@@ -128,6 +130,24 @@ class VllmRelease:
         """0.34's busy loop polls a step's future (``poll``/``wait_briefly``) and takes new
         requests and aborts while the step runs."""
         return self.minor is not None and self.minor >= (0, 34)
+
+    def last_startup_call(self, vllm_config: Any) -> str:
+        """The worker method of the engine's last start-up call, as this release orders
+        them (``EngineCore._initialize_kv_caches``) and this configuration decides, read
+        once the warm-up has returned: the start-up is over when that call has. 0.32, 0.33:
+        the warm-up. 0.34 goes on after it: the extensible KV cache's commit
+        (``extend_kv_cache``, the default on CUDA/ROCm; it may run dummy passes on every
+        rank), then SimpleCPUOffloadConnector's block count (with prefix caching)."""
+        if self.minor is not None and self.minor < (0, 34):
+            return "compile_or_warm_up_model"
+        cache = vllm_config.cache_config
+        kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
+        if (kv_transfer is not None and kv_transfer.has_connector("SimpleCPUOffloadConnector")
+                and cache.enable_prefix_caching):
+            return "get_simple_cpu_offload_num_cpu_blocks"
+        if getattr(cache, "enable_extensible_kv_cache", False):
+            return "extend_kv_cache"
+        return "compile_or_warm_up_model"
 
 
 def release(version: str | None = None) -> VllmRelease:

@@ -25,12 +25,15 @@ from keepalive_executor import compat, startup_timeouts
 from keepalive_executor.config import async_scheduling_opt_in
 from keepalive_executor.connectors import merge as merge_connector_outputs
 from keepalive_executor.lifecycle import ExecutorFailedError, ExecutorState
+from keepalive_executor.log import get_logger
 from keepalive_executor.pieces import Pieces, validate
 from keepalive_executor.protections import Protections
 from keepalive_executor.rpc import Replies, RpcRequest
 from keepalive_executor.steps import Step, execute_and_sample, execute_then_sample
 
 __all__ = ["KeepaliveExecutor", "ExecutorFailedError"]
+
+logger = get_logger(__name__)
 
 
 class KeepaliveExecutor(Executor):
@@ -45,6 +48,9 @@ class KeepaliveExecutor(Executor):
     #: control is a subclass with one off (protections.py, tests/controls.py).
     protections: Protections = Protections()
     validate = staticmethod(validate)
+    #: the worker method after whose return the start-up is over, once the warm-up has
+    #: told (compat.last_startup_call); None before that, and after the start-up
+    _startup_ends_after: str | None = None
 
     def _init_executor(self) -> None:
         self._pp = self.parallel_config.pipeline_parallel_size > 1
@@ -109,7 +115,11 @@ class KeepaliveExecutor(Executor):
         refused = compat.refused_rpc(method)
         future = (_failed(NotImplementedError(refused)) if refused is not None
                   else self._submit(Step.rpc(method, args, kwargs, timeout, unique_reply_rank)))
-        return future if non_block else future.result()
+        if non_block:
+            return future
+        result = future.result()
+        self._after_startup_call(method)  # 0.34: the start-up's last call is an RPC
+        return result
 
     def execute_model(  # type: ignore[override]
         self, scheduler_output: Any, non_block: bool = False
@@ -151,6 +161,13 @@ class KeepaliveExecutor(Executor):
         """A model step under ``reply``, or this executor's policy. ``fused``: rank 0 runs
         ``execute_then_sample`` (both outputs), the other ranks ``execute_and_sample``; the
         output rank of a pipeline sends both halves (steps.py)."""
+        if self._startup_ends_after is not None:
+            # the release's last start-up call never came (a release this one was not
+            # written for): the first model step ends the start-up instead
+            logger.warning("keepalive: the engine's first model step came before %s, after "
+                           "which the start-up was to end; it ends now",
+                           self._startup_ends_after)
+            self._after_startup_call(self._startup_ends_after)
         merge = None
         if reply is None:
             reply, merge = self._policy()
@@ -180,16 +197,25 @@ class KeepaliveExecutor(Executor):
         times, which the engine iterates). Then, with pipeline parallelism on vLLM's V1 model
         runner (0.32, 0.33), the receive buffer it allocates only in a warm-up run that eager
         mode skips on CPU; without it every stage but the first fails its first step (mp
-        too: docs/usage.md). Every rank has answered its warm-up then, which on GPUs ends in
-        a full garbage collection (``freeze_gc_heap``) holding its GIL: the ranks' start-up
-        is over."""
+        too: docs/usage.md). The start-up ends here, or after the call the release makes
+        last (:meth:`_after_startup_call`)."""
         compilation_times = super().compile_or_warm_up_model()
         if self._pp and compat.release().pipeline_buffer_fix:
             self.collective_rpc(_allocate_pipeline_buffers)
-        if startup_timeouts.pending():  # every rank's groups back to the user's timeouts
-            self.collective_rpc(_end_startup_timeouts)
-        self._pieces.end_startup()  # the ranks' liveness, and /metrics' state
+        self._startup_ends_after = compat.release().last_startup_call(self.vllm_config)
+        self._after_startup_call("compile_or_warm_up_model")
         return compilation_times
+
+    def _after_startup_call(self, method: Any) -> None:
+        """Once the engine's last start-up call (``compat.last_startup_call``) has returned
+        on every rank, the start-up is over: every rank's groups get the user's timeouts
+        back (startup_timeouts.py), and the pieces hear it (the ranks' liveness, /metrics)."""
+        if method != self._startup_ends_after:
+            return
+        self._startup_ends_after = None
+        if startup_timeouts.pending():
+            self.collective_rpc(_end_startup_timeouts)
+        self._pieces.end_startup()
 
     def check_health(self) -> None:
         """Raise if failed, if a worker process is gone, or if a round trip takes > 10 s."""
@@ -230,8 +256,8 @@ def _allocate_pipeline_buffers(worker: Any) -> bool:
 
 
 def _end_startup_timeouts(worker: Any) -> int:
-    """On every rank, once the warm-up is over: vLLM's groups get the user's timeouts back
-    (startup_timeouts.py); returns how many."""
+    """On every rank, once the engine's start-up is over: vLLM's groups get the user's
+    timeouts back (startup_timeouts.py); returns how many."""
     return startup_timeouts.restore()
 
 

@@ -32,8 +32,8 @@ driver over the world **CPU** group (gloo), so a result never has to live on a G
 2. ``gather`` of the replies, zero-padded to that length, to the driver.
 
 Both are bounded by the CPU group's timeout (``--cpu-distributed-timeout-seconds``; until the
-warm-up is over, the start-up timeout where that is longer: startup_timeouts.py), not by the
-call's own ``timeout``: a rank that finishes the call first waits there for the last, so
+engine's start-up is over, the start-up timeout where that is longer: startup_timeouts.py),
+not by the call's own ``timeout``: a rank that finishes the call first waits there for the last, so
 ranks that finish one call further apart than that timeout (model loading or warm-up on a
 slow file system) fail it, and with it the executor, where vLLM's ``mp`` would wait. The
 receivers cannot know the call's timeout (it is not in the envelope), and an unbounded wait
@@ -282,7 +282,7 @@ def gather_replies(
     transport's error is raised as it is, for the caller who chose the window. Any other
     failure is a :class:`ReplyGatherError`. The gather itself is bounded by the CPU group's
     timeout (``--cpu-distributed-timeout-seconds``, or the start-up timeout standing in for it
-    until the warm-up is over), whatever the call's own: ranks that finish a call further
+    until the engine's start-up is over), whatever the call's own: ranks that finish a call further
     apart than that fail it, and the error names the one that ran out (docs/usage.md)."""
     start = time.monotonic()
     try:

@@ -4,21 +4,23 @@
 vLLM gives every process group it creates in ``init_device``: its world, its TP/PP/DP/EP
 groups (device and CPU), and with them the groups the channel and the reply gathers run on.
 They therefore also bound every collective of vLLM's own start-up: the rendezvous, the
-groups' creation, the ranks' replies to loading, profiling, the KV cache's allocation and the
-warm-up. Ranks that reach one of these further apart than the timeout fail the start-up,
-which a short timeout on a busy machine does (two servers starting at once on 2 CPUs, a
-replica whose ranks start late). Once the engine has started, the timeout is what the user
-chose it for: how long a rank may wait for the others, with the pacer's keepalives covering
-idle periods.
+groups' creation, the ranks' replies to loading, profiling, the KV cache's allocation, the
+warm-up and (vLLM 0.34) the KV cache's commit after it. Ranks that reach one of these further
+apart than the timeout fail the start-up, which a short timeout on a busy machine does (two
+servers starting at once on 2 CPUs, a replica whose ranks start late). Once the engine has
+started, the timeout is what the user chose it for: how long a rank may wait for the others,
+with the pacer's keepalives covering idle periods.
 
 So each rank joins the groups with those two timeouts raised to the start-up timeout
 (``VLLM_KEEPALIVE_STARTUP_TIMEOUT_S``, default 600 s) where the user set them lower
-(:func:`during_startup`, around ``init_device`` and the channel's groups; the configuration
-itself is given back its values at once). When the engine's warm-up is over, rank 0 has every
-rank set each of those groups back to the user's timeout (:func:`restore`, through one
-collective RPC: every rank is at the same point then, so no rank waits on a group whose peer
-still has the longer timeout). An unset timeout is left to torch's default (gloo 30 min,
-NCCL 10 min) throughout.
+(:func:`during_startup`, around ``init_device`` and the channel's groups; in launcher mode
+also around a follower's join of the default group; the configuration itself is given back
+its values at once). When the engine's start-up is over (its last start-up call has returned:
+the warm-up, or on vLLM 0.34 what follows it, ``compat.VllmRelease.last_startup_call``),
+rank 0 has every rank set each of those groups back to the user's timeout (:func:`restore`,
+through one collective RPC: every rank is at the same point then, so no rank waits on a group
+whose peer still has the longer timeout). An unset timeout is left to torch's default (gloo
+30 min, NCCL 10 min) throughout.
 
 Not raised, and not needed: groups created with a timeout of their own (the NCCL channel
 communicator, the pipeline's output link). Not raised either: groups created after
@@ -88,7 +90,7 @@ def during_startup(parallel_config: Any, startup_s: float | None) -> Iterator[di
         _users.update(users)
         _raised.update(raised)
         logger.info("keepalive: start-up collectives with %s raised to %ss "
-                    "(VLLM_KEEPALIVE_STARTUP_TIMEOUT_S) until the warm-up is over",
+                    "(VLLM_KEEPALIVE_STARTUP_TIMEOUT_S) until the engine's start-up is over",
                     " and ".join(f"--{f.replace('_', '-')}={users[f]}" for f in raised),
                     next(iter(raised.values())))
 
@@ -112,7 +114,7 @@ def cpu_timeout_setting() -> str:
         return "--cpu-distributed-timeout-seconds"
     return (f"the start-up timeout, VLLM_KEEPALIVE_STARTUP_TIMEOUT_S ({raised}s, in place of "
             f"--cpu-distributed-timeout-seconds={_users['cpu_distributed_timeout_seconds']} "
-            "until the warm-up is over)")
+            "until the engine's start-up is over)")
 
 
 def restore() -> int:

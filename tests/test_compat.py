@@ -144,9 +144,10 @@ def _warm_up_executor(pp: int = 1):
     """An executor object with only what compile_or_warm_up_model touches."""
     ex = object.__new__(KeepaliveExecutor)
     ex._pp = pp > 1
-    ex._pieces = SimpleNamespace(ranks=None)  # no ranks to tell that start-up is over
-    ex.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(
-        compilation_time=0.0, encoder_compilation_time=0.0))
+    ex._pieces = SimpleNamespace(end_startup=lambda: None)  # no ranks to tell
+    ex.vllm_config = SimpleNamespace(
+        compilation_config=SimpleNamespace(compilation_time=0.0, encoder_compilation_time=0.0),
+        cache_config=SimpleNamespace(enable_extensible_kv_cache=False), kv_transfer_config=None)
     ex.calls = []
 
     def collective_rpc(method, *args, **kwargs):

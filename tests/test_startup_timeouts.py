@@ -108,6 +108,163 @@ def test_a_group_created_after_init_device_gets_the_users_timeouts_at_once():
         startup_timeouts._users.clear()
 
 
+# -- where the start-up ends: each release's own _initialize_kv_caches, replayed -------------
+#: the recording executor's marks for the start-up's end: the RPC that gives every rank's
+#: groups the user's timeouts back, and the pieces told (the ranks' liveness, /metrics)
+END_TIMEOUTS, END_PIECES = "<timeouts restored>", "<pieces told>"
+
+
+class _Specs:
+    """A KV cache spec as the engine's loop over them reads it (a full-attention layer)."""
+
+    non_causal = False
+    block_size = 16
+    prefix_cacheable = True
+
+
+def _recording_executor(vllm_config, calls: list[str]):
+    """The keepalive executor with its engine calls recorded: rank 0 and the channel are a
+    stand-in (``_submit`` answers each call as two ranks would), the executor's own methods
+    and vLLM's base methods over it are the installed ones."""
+    from concurrent.futures import Future
+
+    from keepalive_executor.executor import KeepaliveExecutor
+
+    ex = object.__new__(KeepaliveExecutor)
+    ex.vllm_config = vllm_config
+    ex.parallel_config = vllm_config.parallel_config
+    ex._pp = False
+    ex.sleeping_tags = set()
+    ex._pieces = SimpleNamespace(ranks=None, end_startup=lambda: calls.append(END_PIECES))
+    replies = {
+        "get_kv_cache_spec": [{"layer.0": _Specs()}] * 2,
+        "get_supported_kv_cache_layouts": [["NHD"]] * 2,
+        "determine_available_memory": [1 << 30] * 2,
+        "extensible_kv_cache_unsupported_reason": [
+            "no virtual memory management" if vllm_config.refused else None, None],
+        "compile_or_warm_up_model": [SimpleNamespace(language_model=0.0, encoder=0.0)] * 2,
+        "get_simple_cpu_offload_num_cpu_blocks": [64, 64],
+    }
+
+    def submit(step):
+        name = step.name
+        calls.append(END_TIMEOUTS if name == "_end_startup_timeouts" else name)
+        future = Future()
+        future.set_result(replies.get(name, [None, None]))
+        return future
+
+    ex._submit = submit
+    return ex
+
+
+def _engine_config(*, extensible: bool, offload: bool, shrinks: bool, refused: bool = False):
+    """What _initialize_kv_caches reads of the configuration, on every release: the
+    extensible KV cache on or off (0.34's default on CUDA), SimpleCPUOffloadConnector with
+    prefix caching, whether the KV cache's size shrinks max_model_len after the warm-up, and
+    whether a worker refuses the extensible KV cache (the engine then turns it off)."""
+    kv_transfer = None if not offload else SimpleNamespace(
+        has_connector=lambda name: name == "SimpleCPUOffloadConnector")
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=4096),
+        scheduler_config=SimpleNamespace(enable_chunked_prefill=True),
+        cache_config=SimpleNamespace(enable_prefix_caching=True, enable_extensible_kv_cache=
+                                     extensible, kv_cache_layout="NHD", num_gpu_blocks=None,
+                                     block_size=16, simple_cpu_offload_num_blocks=None),
+        parallel_config=SimpleNamespace(cp_kv_cache_interleave_size=1,
+                                        distributed_timeout_seconds=5,
+                                        cpu_distributed_timeout_seconds=5),
+        compilation_config=SimpleNamespace(compilation_time=0.0, encoder_compilation_time=0.0),
+        kv_transfer_config=kv_transfer,
+        adjust_dcp_kv_cache_interleave_size=lambda groups: None,
+        validate_block_size=lambda: None,
+    )
+    config.shrinks, config.refused = shrinks, refused
+    return config
+
+
+@pytest.fixture
+def kv_sizing(monkeypatch):
+    """vLLM's KV cache sizing, which decides numbers, not which executor calls the engine
+    makes or in which order: answered by stand-ins in the engine module's namespace."""
+    from vllm.v1.engine import core
+
+    group = SimpleNamespace(kv_cache_spec=_Specs())
+
+    def kv_configs(vllm_config, specs, memory, *args):
+        return [SimpleNamespace(kv_cache_layout=None) for _ in specs]
+
+    def finalize(vllm_config, *args):
+        if vllm_config.shrinks:  # the measured cache holds fewer tokens than reserved
+            vllm_config.model_config.max_model_len = 2048
+        return 128
+
+    stand_ins = {
+        "register_all_kvcache_specs": lambda vllm_config: None,
+        "resolve_kv_cache_layout": lambda *args: SimpleNamespace(name="NHD"),
+        "get_global_kv_cache_groups": lambda *args: [group],
+        "get_kv_cache_configs": kv_configs,
+        "generate_scheduler_kv_cache_config": lambda configs: SimpleNamespace(
+            num_blocks=256, kv_cache_groups=[group]),
+        "update_kv_cache_capacity": lambda *args: None,
+        "resolve_kv_cache_block_sizes": lambda *args: (16, 16),
+        "resolve_cache_hit_alignment_tokens": lambda *args: 16,
+        "finalize_extensible_kv_cache": finalize,
+    }
+    for name, stand_in in stand_ins.items():
+        monkeypatch.setattr(core, name, stand_in, raising=False)
+    monkeypatch.setattr(core.envs, "VLLM_ELASTIC_EP_SCALE_UP_LAUNCH", False)
+    return core
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("extensible,offload,shrinks,refused", [
+    (False, False, False, False), (True, False, False, False), (True, False, True, False),
+    (True, False, False, True), (False, True, False, False), (True, True, True, False)],
+    ids=["plain", "extensible", "extensible-shrinks", "extensible-refused", "cpu-offload",
+         "all"])
+def test_the_start_up_ends_after_this_releases_last_start_up_call(kv_sizing, extensible,
+                                                                  offload, shrinks, refused):
+    """The installed release's own ``EngineCore._initialize_kv_caches``, run against the
+    keepalive executor with its calls recorded: every rank gets the user's timeouts back, and
+    the pieces (the ranks' liveness) hear that the start-up is over, after the last engine
+    call of the start-up and not before. On 0.34 the warm-up is followed by the extensible KV
+    cache's commit (extend_kv_cache: it commits the KV memory and may run dummy passes, on
+    every rank), a max_model_len update and SimpleCPUOffload's block count; on 0.32 and 0.33
+    the warm-up is last (the no-engine tier runs this on each)."""
+    calls: list[str] = []
+    config = _engine_config(extensible=extensible, offload=offload, shrinks=shrinks,
+                            refused=refused)
+    engine = SimpleNamespace(available_gpu_memory_for_kv_cache=-1)
+    engine.model_executor = _recording_executor(config, calls)
+    engine.collective_rpc = lambda method, timeout=None, args=(), kwargs=None: (
+        engine.model_executor.collective_rpc(method, timeout, args, kwargs))
+    with startup_timeouts.during_startup(config.parallel_config, 600.0):
+        pass  # init_device: the user's 5 s raised; restore() is pending
+    try:
+        kv_sizing.EngineCore._initialize_kv_caches(engine, config)
+    finally:
+        startup_timeouts._users.clear()
+    order = " -> ".join(calls)
+    assert "compile_or_warm_up_model" in calls, order
+    assert calls.count(END_TIMEOUTS) == 1 and calls.count(END_PIECES) == 1, order
+    # the end, once every start-up call has returned, in this order: timeouts, then pieces
+    assert calls[-2:] == [END_TIMEOUTS, END_PIECES], order
+    print(order)
+
+
+@pytest.mark.fast
+def test_a_start_up_whose_last_call_never_comes_ends_at_the_first_model_step():
+    """A release whose engine skips the call after which the start-up was to end (one this
+    executor was not written for): the first model step ends it, before the step."""
+    calls: list[str] = []
+    config = _engine_config(extensible=True, offload=False, shrinks=False)
+    ex = _recording_executor(config, calls)
+    ex._startup_ends_after = "extend_kv_cache"
+    ex.execute_dummy_batch()
+    ex.execute_dummy_batch()
+    assert calls == [END_PIECES, "execute_dummy_batch", "execute_dummy_batch"], calls
+
+
 @pytest.mark.serial
 @pytest.mark.parametrize("startup_s", [30.0, None], ids=["raised", "negative-control"])
 def test_vllms_groups_wait_past_the_users_timeout_in_start_up_and_not_after(ranks, startup_s):
