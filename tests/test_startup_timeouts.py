@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import lanes
 import pytest
+from recording_executor import END_PIECES, END_TIMEOUTS, KvSpec, recording_executor
 from run_engine import HERE, run_script
 
 from keepalive_executor import startup_timeouts
@@ -109,59 +110,10 @@ def test_a_group_created_after_init_device_gets_the_users_timeouts_at_once():
 
 
 # -- where the start-up ends: each release's own _initialize_kv_caches, replayed -------------
-#: the recording executor's marks for the start-up's end: the RPC that gives every rank's
-#: groups the user's timeouts back, and the pieces told (the ranks' liveness, /metrics)
-END_TIMEOUTS, END_PIECES = "<timeouts restored>", "<pieces told>"
-
-
-class _Specs:
-    """A KV cache spec as the engine's loop over them reads it (a full-attention layer)."""
-
-    non_causal = False
-    block_size = 16
-    prefix_cacheable = True
-
-
-def _recording_executor(vllm_config, calls: list[str]):
-    """The keepalive executor with its engine calls recorded: rank 0 and the channel are a
-    stand-in (``_submit`` answers each call as two ranks would), the executor's own methods
-    and vLLM's base methods over it are the installed ones."""
-    from concurrent.futures import Future
-
-    from keepalive_executor.executor import KeepaliveExecutor
-
-    ex = object.__new__(KeepaliveExecutor)
-    ex.vllm_config = vllm_config
-    ex.parallel_config = vllm_config.parallel_config
-    ex._pp = False
-    ex.sleeping_tags = set()
-    ex._pieces = SimpleNamespace(ranks=None, end_startup=lambda: calls.append(END_PIECES))
-    replies = {
-        "get_kv_cache_spec": [{"layer.0": _Specs()}] * 2,
-        "get_supported_kv_cache_layouts": [["NHD"]] * 2,
-        "determine_available_memory": [1 << 30] * 2,
-        "extensible_kv_cache_unsupported_reason": [
-            "no virtual memory management" if vllm_config.refused else None, None],
-        "compile_or_warm_up_model": [SimpleNamespace(language_model=0.0, encoder=0.0)] * 2,
-        "get_simple_cpu_offload_num_cpu_blocks": [64, 64],
-    }
-
-    def submit(step):
-        name = step.name
-        calls.append(END_TIMEOUTS if name == "_end_startup_timeouts" else name)
-        future = Future()
-        future.set_result(replies.get(name, [None, None]))
-        return future
-
-    ex._submit = submit
-    return ex
-
-
-def _engine_config(*, extensible: bool, offload: bool, shrinks: bool, refused: bool = False):
+def _engine_config(*, extensible: bool, offload: bool, shrinks: bool):
     """What _initialize_kv_caches reads of the configuration, on every release: the
     extensible KV cache on or off (0.34's default on CUDA), SimpleCPUOffloadConnector with
-    prefix caching, whether the KV cache's size shrinks max_model_len after the warm-up, and
-    whether a worker refuses the extensible KV cache (the engine then turns it off)."""
+    prefix caching, and whether the KV cache's size shrinks max_model_len after the warm-up."""
     kv_transfer = None if not offload else SimpleNamespace(
         has_connector=lambda name: name == "SimpleCPUOffloadConnector")
     config = SimpleNamespace(
@@ -178,7 +130,7 @@ def _engine_config(*, extensible: bool, offload: bool, shrinks: bool, refused: b
         adjust_dcp_kv_cache_interleave_size=lambda groups: None,
         validate_block_size=lambda: None,
     )
-    config.shrinks, config.refused = shrinks, refused
+    config.shrinks = shrinks
     return config
 
 
@@ -188,7 +140,7 @@ def kv_sizing(monkeypatch):
     makes or in which order: answered by stand-ins in the engine module's namespace."""
     from vllm.v1.engine import core
 
-    group = SimpleNamespace(kv_cache_spec=_Specs())
+    group = SimpleNamespace(kv_cache_spec=KvSpec())
 
     def kv_configs(vllm_config, specs, memory, *args):
         return [SimpleNamespace(kv_cache_layout=None) for _ in specs]
@@ -232,10 +184,11 @@ def test_the_start_up_ends_after_this_releases_last_start_up_call(kv_sizing, ext
     every rank), a max_model_len update and SimpleCPUOffload's block count; on 0.32 and 0.33
     the warm-up is last (the no-engine tier runs this on each)."""
     calls: list[str] = []
-    config = _engine_config(extensible=extensible, offload=offload, shrinks=shrinks,
-                            refused=refused)
+    config = _engine_config(extensible=extensible, offload=offload, shrinks=shrinks)
     engine = SimpleNamespace(available_gpu_memory_for_kv_cache=-1)
-    engine.model_executor = _recording_executor(config, calls)
+    replies = {"extensible_kv_cache_unsupported_reason": [
+        "no virtual memory management" if refused else None, None]}
+    engine.model_executor = recording_executor(config, calls, replies)
     engine.collective_rpc = lambda method, timeout=None, args=(), kwargs=None: (
         engine.model_executor.collective_rpc(method, timeout, args, kwargs))
     with startup_timeouts.during_startup(config.parallel_config, 600.0):
@@ -258,7 +211,7 @@ def test_a_start_up_whose_last_call_never_comes_ends_at_the_first_model_step():
     executor was not written for): the first model step ends it, before the step."""
     calls: list[str] = []
     config = _engine_config(extensible=True, offload=False, shrinks=False)
-    ex = _recording_executor(config, calls)
+    ex = recording_executor(config, calls)
     ex._startup_ends_after = "extend_kv_cache"
     ex.execute_dummy_batch()
     ex.execute_dummy_batch()
