@@ -33,8 +33,10 @@ vLLM     what an executor outside vLLM meets
 Refused on every supported release: ``--enable-fault-tolerance`` (its recovery rebuilds
 vLLM's process groups in place and expects a failed executor to serve again; a keepalive
 executor that failed stays failed, and its channel lives in groups the recovery does not
-rebuild) and process checkpoints (the pacer keeps broadcasting on a channel a checkpoint
-does not suspend).
+rebuild), ``--enable-elastic-ep`` (it rebuilds the groups to scale, and its scale-up launch
+skips the warm-up) and process checkpoints (the pacer keeps broadcasting on a channel a
+checkpoint does not suspend); on 0.34 therefore ``--enable-sleep-mode`` too, which mounts the
+checkpoint endpoint.
 """
 
 from __future__ import annotations
@@ -131,6 +133,14 @@ class VllmRelease:
         requests and aborts while the step runs."""
         return self.minor is not None and self.minor >= (0, 34)
 
+    @property
+    def sleep_mode_mounts_checkpoints(self) -> bool:
+        """0.34's front end mounts ``POST /checkpoint/prepare`` with ``--enable-sleep-mode``
+        (``vllm/entrypoints/launchers/api_server/routers.py``), and its engine pauses and
+        discards the KV cache before it asks the executor (``EngineCoreProc.
+        checkpoint_prepare``)."""
+        return self.minor is None or self.minor >= (0, 34)
+
     def last_startup_call(self, vllm_config: Any) -> str:
         """The worker method of the engine's last start-up call, as this release orders
         them (``EngineCore._initialize_kv_caches``) and this configuration decides, read
@@ -184,12 +194,26 @@ def check_features(vllm_config: Any) -> None:
             "--enable-fault-tolerance (its recovery rebuilds vLLM's process groups in place "
             "and expects a failed executor to serve again; a failed keepalive executor stays "
             "failed: drop the flag, and let the engine fail and restart)")
+    if getattr(vllm_config.parallel_config, "enable_elastic_ep", False):
+        problems.append(
+            "--enable-elastic-ep (elastic EP scales data parallelism by rebuilding vLLM's "
+            "process groups in place, which the keepalive channel cannot follow, and starts "
+            "its new engines without the warm-up that ends the keepalive start-up: drop the "
+            "flag, or use --distributed-executor-backend mp)")
     model_config = getattr(vllm_config, "model_config", None)
     if getattr(model_config, "checkpoint_prepare_on_startup", False):
         problems.append(
             "--checkpoint-prepare-on-startup (process checkpoints suspend vLLM's device "
             "communicators, not the keepalive channel, whose broadcasts go on: drop the "
             "flag, or use --distributed-executor-backend mp)")
+    elif (getattr(model_config, "enable_sleep_mode", False)
+          and release().sleep_mode_mounts_checkpoints):
+        problems.append(
+            f"--enable-sleep-mode on vLLM {release().version} (with it the server also "
+            "serves POST /checkpoint/prepare, which process checkpoints need and the "
+            "keepalive executor cannot serve; the engine would drain, pause and discard its "
+            "KV cache before the executor could refuse, and then reject every request: "
+            "drop the flag, or use --distributed-executor-backend mp)")
     if problems:
         raise KeepaliveConfigError(
             "--distributed-executor-backend keepalive does not support " + "; ".join(problems))

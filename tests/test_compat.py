@@ -88,12 +88,131 @@ def test_checkpoint_on_startup_is_refused_naming_the_flag():
         compat.check_features(cfg)
 
 
+def test_elastic_ep_is_refused_naming_the_flag():
+    """Elastic EP scales data parallelism by rebuilding vLLM's process groups in place
+    (``reinitialize_distributed``, which the executor does not implement) and launches its
+    new engines with VLLM_ELASTIC_EP_SCALE_UP_LAUNCH, under which the engine skips the warm-up
+    (so the keepalive start-up would never end there): refused at start-up instead."""
+    with pytest.raises(KeepaliveConfigError, match="--enable-elastic-ep") as e:
+        compat.check_features(_config(enable_elastic_ep=True))
+    assert "--distributed-executor-backend mp" in str(e.value)
+    compat.check_features(_config(enable_elastic_ep=False))
+
+
+def test_the_elastic_ep_scale_up_launch_skips_the_warm_up_on_this_release():
+    """Why elastic EP is refused rather than followed: this release's engine skips the
+    warm-up under the scale-up launch (its _initialize_kv_caches reads the variable right
+    before compile_or_warm_up_model), and its base executor has no group rebuild."""
+    from vllm.v1.engine.core import EngineCore
+
+    source = inspect.getsource(EngineCore._initialize_kv_caches)
+    assert "if not envs.VLLM_ELASTIC_EP_SCALE_UP_LAUNCH:" in source
+    skipped = source.split("if not envs.VLLM_ELASTIC_EP_SCALE_UP_LAUNCH:")[-1]
+    assert skipped.lstrip().startswith("compilation_times = self.model_executor."
+                                       "compile_or_warm_up_model()") or \
+        skipped.lstrip().startswith("self.model_executor.compile_or_warm_up_model()")
+    assert "reinitialize_distributed" not in vars(KeepaliveExecutor)
+
+
+def _sleep_config(enable_sleep_mode: bool):
+    cfg = _config()
+    cfg.model_config.enable_sleep_mode = enable_sleep_mode
+    return cfg
+
+
+def test_sleep_mode_is_refused_where_it_mounts_the_checkpoint_endpoint():
+    """vLLM 0.34 mounts POST /checkpoint/prepare with --enable-sleep-mode; the engine drains,
+    pauses and discards its KV cache before it asks the executor, which can only refuse
+    then (the replay below): refused at start-up, naming the flag. 0.32 and 0.33 have no
+    such endpoint: sleep mode is left alone there."""
+    compat.check_features(_sleep_config(False))
+    if not compat.release().sleep_mode_mounts_checkpoints:
+        compat.check_features(_sleep_config(True))
+        return
+    with pytest.raises(KeepaliveConfigError, match="--enable-sleep-mode") as e:
+        compat.check_features(_sleep_config(True))
+    assert "/checkpoint/prepare" in str(e.value)
+    assert "--distributed-executor-backend mp" in str(e.value)
+
+
+def test_this_releases_front_end_mounts_the_checkpoint_endpoint_as_compat_says():
+    """The contract behind the refusal above: the front end of this release mounts
+    /checkpoint/prepare exactly when compat says, and with sleep mode."""
+    try:
+        from vllm.entrypoints.launchers.api_server import routers
+    except ImportError:  # 0.32, 0.33: no such module, no endpoint
+        assert not compat.release().sleep_mode_mounts_checkpoints
+        return
+    source = inspect.getsource(routers)
+    mounted = "serve.checkpoint.api_router" in source
+    assert mounted == compat.release().sleep_mode_mounts_checkpoints
+    if mounted:
+        assert "model_config.enable_sleep_mode" in source
+
+
+def test_a_checkpoint_prepare_reaches_the_executor_only_after_the_engine_paused():
+    """This release's own engine sequence for POST /checkpoint/prepare (EngineCoreProc's
+    checkpoint_prepare), against the keepalive executor with its calls recorded: the engine
+    pauses, synchronizes the device and discards the KV cache, and only then asks the
+    executor, whose refusal leaves the checkpoint FAILED and the engine unable to resume.
+    No answer the executor gives at that point can help: hence the refusal at start-up."""
+    from vllm.v1.engine import core
+
+    if not hasattr(core.EngineCoreProc, "checkpoint_prepare"):
+        pytest.skip(f"vLLM {compat.installed_version()} has no process checkpoints")
+    from recording_executor import recording_executor
+
+    calls: list[str] = []
+    config = SimpleNamespace(parallel_config=SimpleNamespace(),
+                             model_config=SimpleNamespace(enable_sleep_mode=True))
+
+    class Scheduler:
+        pause_state = core.PauseState.UNPAUSED
+
+        def set_pause_state(self, state):
+            calls.append(f"<scheduler {state.name}>")
+            self.pause_state = state
+
+        def has_requests(self) -> bool:
+            return False
+
+        has_unfinished_requests = has_requests
+
+        def reset_prefix_cache(self, *args) -> bool:
+            return True
+
+        def reset_encoder_cache(self) -> None:
+            pass
+
+    engine = object.__new__(core.EngineCoreProc)
+    engine.vllm_config = config
+    engine.model_executor = recording_executor(config, calls)
+    engine.scheduler = Scheduler()
+    engine.batch_queue = None
+    engine.engines_running = False
+    engine._idle_state_callbacks = []
+    engine.mm_receiver_cache = None
+    engine.reject_new_requests = False
+
+    assert engine.checkpoint_prepare("wait") is None  # accepted: nothing is refused here
+    state, error = engine.checkpoint_state()
+    assert state == core.CheckpointState.FAILED, (state, calls)
+    assert "process checkpoints are not supported" in error
+    paused = calls.index("<scheduler PAUSED_NEW>")
+    assert paused < calls.index("discard"), calls  # the KV cache went first
+    assert "checkpoint_prepare" not in calls, calls  # refused before anything was sent
+    assert engine.reject_new_requests
+    with pytest.raises(RuntimeError, match="Cannot resume"):
+        engine.resume_scheduler()
+    print(" -> ".join(calls), "-> refused:", error)
+
+
 def test_the_refused_flags_exist_under_those_names_in_this_vllm():
     """The messages name flags the user typed: they must be this release's flags."""
     from vllm.engine.arg_utils import EngineArgs
 
     fields = set(EngineArgs.__dataclass_fields__)
-    assert "enable_fault_tolerance" in fields
+    assert {"enable_fault_tolerance", "enable_elastic_ep", "enable_sleep_mode"} <= fields
     if compat.release().engine_polls_step_futures:  # 0.34: process checkpoints
         assert "checkpoint_prepare_on_startup" in fields
 
