@@ -1,19 +1,26 @@
 """The front end's half of keepalive's ``/metrics`` series: a prometheus collector that reads
 the engines' snapshots (metrics.py) when ``/metrics`` is scraped.
 
-vLLM serves ``/metrics`` from the registry ``vllm.v1.metrics.prometheus.
-get_prometheus_registry()`` returns: prometheus_client's default registry with one API
-server, a fresh registry holding a ``MultiProcessCollector`` with several (``-dp N`` starts N
-by default), built when the app is built. :func:`install`, run where the plugin loads,
-registers one :class:`KeepaliveCollector` on the default registry, and wraps that function
-so that the registry it returns in multiprocess mode carries the collector too (each API
-server reads every engine's snapshot of its run, so every one of them shows every replica,
-as vLLM's own series do; the ``engine`` label tells them apart).
+Two ways, because vLLM serves ``/metrics`` in two ways (read in 0.32 and 0.34:
+``vllm/entrypoints/serve/instrumentator/metrics.py``):
 
-The series are computed at scrape time: ages (``vllm_keepalive_rank_heartbeat_age_seconds``)
-from the wall times in the snapshot, so a wedged engine still shows its true ages; a
-snapshot that cannot be read gives one warning and its last good reading is served again
-(``vllm_keepalive_snapshot_timestamp_seconds`` shows how old). Names follow Prometheus'
+* **One API server** (the default without ``-dp``): prometheus_client's default registry.
+  :func:`install`, run where the plugin loads, registers one :class:`KeepaliveCollector`
+  there, which reads the run's snapshots at scrape time: ages
+  (``vllm_keepalive_rank_heartbeat_age_seconds``) are computed then, so a wedged engine
+  still shows its true ages; a snapshot that cannot be read gives one warning and its last
+  good reading is served again (``vllm_keepalive_snapshot_timestamp_seconds`` shows how old).
+* **Several API servers** (``-dp N`` starts N by default; vLLM sets
+  ``PROMETHEUS_MULTIPROC_DIR`` before it starts the engines): the route answers from a
+  registry built per request, holding only prometheus_client's ``MultiProcessCollector``,
+  which reads the ``*.db`` files of that directory. No collector of ours can be on it, so
+  each engine's snapshot writer also writes its samples there (:class:`MultiprocessMirror`),
+  in prometheus_client's own file format: counters summed across processes (one engine per
+  ``engine`` label, so nothing is added up), gauges as the most recent value, histograms
+  per bucket. Every API server then shows every replica, as vLLM's own series do. Ages are
+  then as of the last snapshot (at most ``SNAPSHOT_PERIOD_S`` old), and a heartbeat age
+  only exists in launcher mode, which refuses ``-dp``.
+ Names follow Prometheus'
 conventions in a namespace of their own: vLLM removes every collector named ``vllm:...``
 when it unregisters its own.
 """
@@ -24,7 +31,6 @@ import contextlib
 import json
 import os
 import re
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -33,7 +39,8 @@ from keepalive_executor import run_dir
 from keepalive_executor.log import get_logger
 from keepalive_executor.metrics import FAILURE_CAUSES, FRAME_KINDS, STEP_KINDS
 
-__all__ = ["PREFIX", "SERIES", "STATES", "KeepaliveCollector", "read_snapshots", "install"]
+__all__ = ["PREFIX", "SERIES", "STATES", "KeepaliveCollector", "MultiprocessMirror",
+           "read_snapshots", "install"]
 
 logger = get_logger(__name__)
 
@@ -46,7 +53,6 @@ SERIES = tuple(PREFIX + name for name in (
     "step_dispatch_seconds", "rank_up", "rank_heartbeat_age_seconds", "rank_failures_total",
 ))
 _SNAPSHOT = re.compile(r"^engine-(?P<engine>[^-]+)-(?P<pid>\d+)\.json$")
-_MARK = "_keepalive_collector"
 
 
 def _run_pids() -> list[int]:
@@ -199,13 +205,67 @@ def families(snaps: list[dict[str, Any]], now: float) -> Iterator[Any]:
                 failures)
 
 
+class MultiprocessMirror:
+    """An engine's snapshot as prometheus_client multiprocess files in ``directory``
+    (``PROMETHEUS_MULTIPROC_DIR``), named for this project (``<type>_keepalive-<pid>.db``):
+    the engine process may hold prometheus_client files of its own under its plain pid."""
+
+    def __init__(self, directory: str, pid: int | None = None) -> None:
+        self.directory = directory
+        tag = f"keepalive-{os.getpid() if pid is None else pid}"
+        self._paths = {"counter": f"counter_{tag}.db", "gauge": f"gauge_mostrecent_{tag}.db",
+                       "histogram": f"histogram_{tag}.db"}
+        self._files: dict[str, Any] = {}
+
+    @classmethod
+    def from_environ(cls) -> MultiprocessMirror | None:
+        """A mirror if this process runs under vLLM's multiprocess metrics, else None."""
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        return cls(directory) if directory and os.path.isdir(directory) else None
+
+    def _file(self, kind: str) -> Any:
+        from prometheus_client.mmap_dict import MmapedDict
+
+        if kind not in self._files:
+            self._files[kind] = MmapedDict(os.path.join(self.directory, self._paths[kind]))
+        return self._files[kind]
+
+    def write(self, snapshot: dict[str, Any]) -> None:
+        """The snapshot's samples, as prometheus_client's multiprocess mode stores them."""
+        from prometheus_client.mmap_dict import mmap_key
+
+        written = float(snapshot.get("written_at", 0.0))
+        for family in families([snapshot], written):
+            kind = family.type
+            previous: dict[tuple, float] = {}
+            for sample in family.samples:
+                names, values = list(sample.labels), list(sample.labels.values())
+                value = sample.value
+                if kind == "histogram":
+                    if sample.name.endswith("_count"):
+                        continue  # computed by the reader from the buckets
+                    if sample.name.endswith("_bucket"):  # stored per bucket, not cumulative
+                        rest = tuple((k, v) for k, v in sample.labels.items() if k != "le")
+                        value, previous[rest] = value - previous.get(rest, 0.0), value
+                key = mmap_key(family.name, sample.name, names, values, family.documentation)
+                self._file(kind).write_value(key, value, written)
+
+    def close(self, *, keep: bool) -> None:
+        """Close the files; remove them unless ``keep`` (a failed engine's last word)."""
+        for kind, f in self._files.items():
+            f.close()
+            if not keep:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.directory, self._paths[kind]))
+        self._files.clear()
+
+
 _collector: KeepaliveCollector | None = None
 
 
 def install() -> None:
-    """Register the collector on prometheus_client's default registry, and on the registry
-    vLLM builds for ``/metrics`` in multiprocess mode. Idempotent; never raises (a vLLM
-    without that function serves the default registry's series only)."""
+    """Register the collector on prometheus_client's default registry (the one vLLM's
+    /metrics serves with one API server). Idempotent; never raises."""
     global _collector
     if _collector is not None:
         return
@@ -215,26 +275,3 @@ def install() -> None:
         return
     _collector = KeepaliveCollector()
     REGISTRY.register(_collector)
-    try:
-        import vllm.v1.metrics.prometheus as vllm_prometheus
-    except ImportError:
-        logger.debug("vllm.v1.metrics.prometheus not found: multiprocess /metrics unwrapped")
-        return
-    original = vllm_prometheus.get_prometheus_registry
-    if getattr(original, _MARK, False):
-        return
-
-    def get_prometheus_registry() -> Any:
-        registry = original()
-        if registry is not REGISTRY and _collector is not None:
-            with contextlib.suppress(ValueError):  # already registered on it
-                registry.register(_collector)
-        return registry
-
-    setattr(get_prometheus_registry, _MARK, True)
-    get_prometheus_registry.__doc__ = original.__doc__
-    # the modules that imported the function by name before the plugin loaded
-    for name, module in list(sys.modules.items()):
-        if name.startswith("vllm") and getattr(module, "get_prometheus_registry",
-                                               None) is original:
-            module.get_prometheus_registry = get_prometheus_registry  # type: ignore[attr-defined]

@@ -38,14 +38,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from keepalive_executor import run_dir
 from keepalive_executor.log import get_logger
 
 __all__ = ["SNAPSHOT_VERSION", "SNAPSHOT_PERIOD_S", "DISPATCH_BUCKETS_S", "STEP_KINDS",
            "FRAME_KINDS", "FAILURE_CAUSES", "RankStatus", "StepMeter", "NullMeter",
-           "SnapshotWriter", "open_writer"]
+           "Mirror", "SnapshotWriter", "open_writer"]
 
 logger = get_logger(__name__)
 
@@ -139,6 +139,15 @@ class NullMeter(StepMeter):
         """Nothing."""
 
 
+class Mirror(Protocol):
+    """Another place each snapshot goes (collector.MultiprocessMirror: prometheus_client's
+    multiprocess files, which vLLM's /metrics reads when it runs several API servers)."""
+
+    def write(self, snapshot: dict[str, Any]) -> None: ...
+
+    def close(self, *, keep: bool) -> None: ...
+
+
 class SnapshotWriter:
     """Thread ``keepalive-metrics``: every ``period_s``, and at once after :meth:`poke`,
     writes ``describe()`` merged with the meter's counters to ``path``. Started and stopped
@@ -148,8 +157,9 @@ class SnapshotWriter:
 
     def __init__(self, path: str, meter: StepMeter, describe: Callable[[], dict[str, Any]],
                  *, period_s: float = SNAPSHOT_PERIOD_S,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, mirror: Mirror | None = None) -> None:
         self.path = path
+        self._mirror = mirror
         self._meter = meter
         self._describe = describe
         self._period_s = period_s
@@ -178,6 +188,8 @@ class SnapshotWriter:
         if not keep:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
+        if self._mirror is not None:
+            self._mirror.close(keep=keep)
 
     def snapshot(self) -> dict[str, Any]:
         """The snapshot as it would be written now."""
@@ -190,10 +202,13 @@ class SnapshotWriter:
         """Write one snapshot; False (warned once) if it could not be written."""
         tmp = f"{self.path}.{threading.get_ident()}.tmp"
         try:
-            data = json.dumps(self.snapshot(), separators=(",", ":"))
+            snap = self.snapshot()
+            data = json.dumps(snap, separators=(",", ":"))
             with open(tmp, "w") as f:
                 f.write(data)
             os.replace(tmp, self.path)
+            if self._mirror is not None:
+                self._mirror.write(snap)
         except Exception as e:  # noqa: BLE001 - metrics never fail the executor
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -214,9 +229,9 @@ class SnapshotWriter:
             self._wake.clear()
 
 
-def open_writer(engine: str, meter: StepMeter,
-                describe: Callable[[], dict[str, Any]]) -> SnapshotWriter | None:
+def open_writer(engine: str, meter: StepMeter, describe: Callable[[], dict[str, Any]],
+                mirror: Mirror | None = None) -> SnapshotWriter | None:
     """A writer for this engine process's snapshot in its run directory, or None if there
     is no usable run directory (warned by run_dir)."""
     path = run_dir.engine_snapshot_path(engine)
-    return None if path is None else SnapshotWriter(path, meter, describe)
+    return None if path is None else SnapshotWriter(path, meter, describe, mirror=mirror)

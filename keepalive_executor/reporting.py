@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from keepalive_executor import __version__, compat, run_dir
+from keepalive_executor.collector import MultiprocessMirror
 from keepalive_executor.lifecycle import ExecutorState, Lifecycle
 from keepalive_executor.log import get_logger
 from keepalive_executor.metrics import NullMeter, SnapshotWriter, StepMeter, open_writer
@@ -115,7 +116,9 @@ class Reporting:
         def snapshot_fields() -> dict[str, Any]:
             return {**self._static, **describe()}
 
-        writer = open_writer(self._static["engine"], meter, snapshot_fields)
+        # (several API servers: vLLM's /metrics reads prometheus_client's files: collector.py)
+        writer = open_writer(self._static["engine"], meter, snapshot_fields,
+                             MultiprocessMirror.from_environ())
         if writer is None:
             return
         self.meter, self._writer = meter, writer

@@ -26,6 +26,7 @@ tests=(
   tests/test_plugin.py tests/test_config.py tests/test_executor_unit.py
   tests/test_lifecycle.py tests/test_pacer.py tests/test_outputs.py tests/test_nccl.py
   tests/test_channel_framing.py tests/test_torchrun_env.py tests/test_startup_timeouts.py
+  tests/test_metrics.py tests/test_supervision.py
 )
 cd "$repo"
 workers="${KEEPALIVE_VERSIONS_WORKERS:-2}"

@@ -58,20 +58,19 @@ class ShortStartupTimeouts(KeepaliveExecutor):
     protections = Protections(startup_timeouts=False)
 
 
-class NoSupervision(KeepaliveExecutor):
-    """No failure record and no watch over the front end: `vllm serve` exits 0 after its
-    executor failed, and an engine outlives a killed API server (as under mp)."""
+class NoSupervisionNoMetrics(KeepaliveExecutor):
+    """No watch over the front end (an engine outlives a killed API server, as under mp) and
+    no /metrics snapshot (no vllm_keepalive_ series): test_supervision.py's control, one
+    check on it per protection; neither plays a part in the other's check."""
 
-    protections = Protections(supervision=False)
+    protections = Protections(metrics=False, supervision=False)
 
 
-class NoKeepalivesNoMetricsNoSupervision(KeepaliveExecutor):
-    """test_serve.py's control: no pacer (it dies of an idle period), no /metrics snapshot
-    (so no vllm_keepalive_ series), no failure record (so its `vllm serve` exits 0 after
-    that death). One server for three negative controls: each check on it fails for the
-    one protection it names, the others play no part in it."""
+class NoKeepalivesNoSupervision(KeepaliveExecutor):
+    """test_serve.py's control: no pacer (it dies of an idle period) and no failure record
+    (so its `vllm serve` exits 0 after that death, as under mp)."""
 
-    protections = Protections(keepalives=False, metrics=False, supervision=False)
+    protections = Protections(keepalives=False, supervision=False)
 
 
 class KeepalivesUntilArmed(KeepaliveExecutor):
@@ -110,6 +109,9 @@ BY_PROTECTION = {
     "shutdown_drain": NoShutdownDrain,
     "connector_merge": NoConnectorMerge,
     "startup_timeouts": ShortStartupTimeouts,
-    "metrics": NoKeepalivesNoMetricsNoSupervision,
-    "supervision": NoSupervision,
+    "metrics": NoSupervisionNoMetrics,
+    "supervision": NoSupervisionNoMetrics,
 }
+#: the controls that turn off more than one protection, each for a check per protection
+SEVERAL = (NoKeepalivesNoLiveness, NoAliveWaitNoStartupTimeouts, NoSupervisionNoMetrics,
+           NoKeepalivesNoSupervision)

@@ -45,6 +45,17 @@ def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
+    """A server's /metrics over HTTP, its keepalive samples parsed by prometheus_client."""
+    import urllib.request
+
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith(collector.PREFIX)}
+
+
 def value(found: dict, name: str, **labels: str) -> float:
     hits = [v for (n, ls), v in found.items()
             if n == name and all(dict(ls).get(k) == w for k, w in labels.items())]
@@ -218,28 +229,90 @@ def test_a_base_directory_others_can_enter_is_refused_with_a_warning(tmp_path, m
     assert "must be a directory owned by this user with mode 700" in caplog.text
 
 
-def test_vllms_multiprocess_metrics_registry_carries_the_collector(tmp_path):
-    """With several API servers vLLM serves /metrics from a fresh registry in multiprocess
-    mode (vllm.v1.metrics.prometheus.get_prometheus_registry). In a process of its own, as
-    an API server is: the plugin's registration puts the collector on it, in the module
-    that serves /metrics too; vLLM's own function, unwrapped, does not (the control)."""
-    script = textwrap.dedent("""
-        import os, sys
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
-        import vllm.entrypoints.serve.instrumentator.metrics as served
-        import vllm.v1.metrics.prometheus as vp
-        from keepalive_executor import collector
-        before = vp.get_prometheus_registry()
+def test_the_multiprocess_mirror_serves_the_same_samples_as_the_collector(run, tmp_path):
+    """What vLLM's multiprocess /metrics reads back from the mirror's files (two engines,
+    one process each) equals what the collector serves from the same snapshots."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    snaps = []
+    for engine, pid in (("0", 4001), ("1", 4002)):
+        meter = StepMeter(frame_bytes=100, inline_bytes=50, wall=lambda: 500.0)
+        for t in (0.00003, 0.0004, 0.0004, 0.2):
+            meter.step_sent("execute", 70 * int(engine), t)
+        meter.keepalive_sent()
+        snap = {"version": 1, "written_at": 600.0, "pid": pid,
+                **describe(), "engine": engine, **meter.counters()}
+        mirror = collector.MultiprocessMirror(str(prom), pid=pid)
+        mirror.write(snap)
+        mirror.write(snap)  # rewritten each second: values replaced, not added
+        mirror.close(keep=True)
+        snaps.append(snap)
+    read_back = CollectorRegistry()
+    MultiProcessCollector(read_back, path=str(prom))
+    direct = {}
+    for fam in collector.families(snaps, 600.0):
+        for sm in fam.samples:
+            direct[(sm.name, tuple(sorted(sm.labels.items())))] = sm.value
+    assert samples(read_back) == direct
+    assert value(direct, "vllm_keepalive_step_dispatch_seconds_bucket", engine="1",
+                 le="0.0005") == 3
+    mirror = collector.MultiprocessMirror(str(prom), pid=4001)
+    mirror.write(snaps[0])
+    mirror.close(keep=False)  # a clean stop: that engine's files are gone
+    assert sorted(os.listdir(prom)) == sorted(
+        f"{kind}_keepalive-4002.db" for kind in ("counter", "gauge_mostrecent", "histogram"))
+
+
+SERVED = textwrap.dedent("""
+    # an API server's /metrics, as vLLM mounts it, in a process of its own
+    import os, sys
+    mode, run_base = sys.argv[1], sys.argv[2]
+    if mode == "multiprocess":  # as vLLM's launcher sets it for several API servers
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(run_base, "prom")
+        os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    os.environ["XDG_RUNTIME_DIR"] = run_base
+    from keepalive_executor import collector, run_dir
+    from keepalive_executor.metrics import SnapshotWriter, StepMeter
+    run_dir.claim(force=True)
+    ours = sys.argv[3] == "plugin"
+    # the engine's side: its snapshot, mirrored where vLLM's multiprocess metrics read
+    mirror = collector.MultiprocessMirror.from_environ() if ours else None
+    SnapshotWriter(run_dir.engine_snapshot_path("0"), StepMeter(),
+                   lambda: {"engine": "0", "model_name": "tiny", "state": "running"},
+                   mirror=mirror).write()
+    if ours:  # the front end's side
         collector.install()
-        after = served.get_prometheus_registry()
-        has = lambda r: any(isinstance(c, collector.KeepaliveCollector)
-                            for c in r._collector_to_names)
-        print(has(before), has(after), served.get_prometheus_registry is vp.get_prometheus_registry)
-    """)
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["False", "True", "True"]
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
+    app = FastAPI()
+    attach_router(app)
+    body = TestClient(app).get("/metrics").text
+    print('vllm_keepalive_executor_state{engine="0",model_name="tiny",state="running"} 1.0'
+          in body)
+""")
+
+
+@pytest.mark.parametrize("mode", ["default", "multiprocess"])
+def test_the_api_servers_metrics_route_serves_the_series(tmp_path, mode):
+    """The contract the series rest on, per vLLM release: /metrics as vLLM's API server
+    mounts it (vllm.entrypoints.serve.instrumentator.metrics.attach_router) serves the
+    default registry, where the collector is, with one API server; with several
+    (multiprocess mode) a registry built per request from prometheus_client's files, where
+    the engine's mirror writes. Without the collector and the mirror (the control) the route
+    has no keepalive series."""
+    found = {}
+    for how in ("plugin", "control"):
+        base = tmp_path / how
+        base.mkdir(mode=0o700)
+        out = subprocess.run([sys.executable, "-c", SERVED, mode, str(base), how],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        found[how] = out.stdout.split()[-1]
+    assert found == {"plugin": "True", "control": "False"}
 
 
 def test_the_exported_names_follow_prometheus_conventions():

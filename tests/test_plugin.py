@@ -128,14 +128,15 @@ def test_a_negative_controls_executor_is_the_keepalive_executor_with_one_protect
     assert controls.NoKeepalivesNoLiveness.protections.off() == ["keepalives", "liveness"]
     assert controls.NoAliveWaitNoStartupTimeouts.protections.off() == ["alive_wait",
                                                                        "startup_timeouts"]
-    # and test_serve's control three at once (one check on it per protection)
-    assert controls.NoKeepalivesNoMetricsNoSupervision.protections.off() == [
-        "keepalives", "metrics", "supervision"]
-    several = (controls.NoKeepalivesNoLiveness, controls.NoAliveWaitNoStartupTimeouts,
-               controls.NoKeepalivesNoMetricsNoSupervision)
+    # two controls serve a check per protection each (test_supervision's, test_serve's)
+    assert controls.NoSupervisionNoMetrics.protections.off() == ["metrics", "supervision"]
+    assert controls.NoKeepalivesNoSupervision.protections.off() == ["keepalives",
+                                                                    "supervision"]
+    assert keepalive_class("controls.NoKeepalivesNoSupervision") is \
+        controls.NoKeepalivesNoSupervision
     assert [c.protections.off() for c in controls.BY_PROTECTION.values()
-            if c not in several] == [[n] for n in controls.BY_PROTECTION
-                                     if n not in ("liveness", "alive_wait", "metrics")]
+            if c not in controls.SEVERAL] == [
+        [n] for n, c in controls.BY_PROTECTION.items() if c not in controls.SEVERAL]
     assert keepalive_class("mp") is None
     assert keepalive_class("vllm.v1.executor.multiproc_executor.MultiprocExecutor") is None
     assert keepalive_class("no.such.Class") is None

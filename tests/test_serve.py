@@ -1,8 +1,9 @@
 """`vllm serve ... --distributed-executor-backend keepalive` as a real server, real clients. One
 server serves every scenario of this module, in file order, the one that ends it last: mp's
 answers, an idle period and an engine loop stalled outside any step (both several collective
-timeouts long), a load with disconnects, then a worker killed while idle. The negative control
-(no pacer) dies of the idle. A clean shutdown by signal: tests/test_faults.py."""
+timeouts long), a load with disconnects, then a worker killed while idle, after which `vllm
+serve` exits 1. The negative control (no pacer, no failure record) dies of the idle, and its
+`vllm serve` exits 0, as under mp. A clean shutdown by signal: tests/test_faults.py."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _server(tiny_model: str, tmp_path, name: str, backend: str = "keepalive") ->
 @pytest.fixture(scope="module")
 def servers(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
     """The keepalive server, and the negative control beside it: the same without the pacer
-    (controls.NoKeepalives), both started at once (their start-up collectives run under the
+    and the failure record (controls.NoKeepalivesNoSupervision), both started at once (their start-up collectives run under the
     start-up timeout, not the 5 s: startup_timeouts.py)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -60,7 +61,7 @@ def servers(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
     try:
         started["keepalive"] = _server(tiny_model, tmp_path, "serve")
         started["control"] = _server(tiny_model, tmp_path, "serve-nopacer",
-                                     "controls.NoKeepalives")
+                                     "controls.NoKeepalivesNoSupervision")
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(Server.wait_ready, started.values()))
         trees = [p for s in started.values() for p in s.tree()]
@@ -205,7 +206,20 @@ def test_worker_killed_while_idle_fails_the_server_at_once(servers):
     took = wait_until(lambda: server.proc.poll() is not None or server.health() != 200,
                        IDLE_DETECT_BOUND_S)
     assert took is not None, f"server still healthy {IDLE_DETECT_BOUND_S}s after a worker died"
-    # vLLM's API server then shuts itself down (with exit code 0, as it does for mp)
-    server.proc.wait(DETECT_BOUND_S)
+    # vLLM's API server then shuts itself down, and `vllm serve` exits 1 (0 under mp and
+    # under the control, below): a supervisor's Restart=on-failure restarts it
+    assert server.proc.wait(DETECT_BOUND_S) == 1
+    assert "keepalive executor failed (worker rank 1" in server.log()
+    assert "exiting with status 1" in server.log()
     assert "worker rank 1" in server.log() and "died unexpectedly" in server.log()
     assert left_after(tree, 10) == []
+
+
+def test_the_control_that_died_of_its_idle_exits_0_as_under_mp(servers):
+    """The negative control of the exit status: its executor failed (the idle, above), and
+    without the failure record its `vllm serve` exits 0, as vLLM's front end does after any
+    engine death."""
+    control = servers["control"]
+    code = control.proc.wait(DETECT_BOUND_S)
+    assert "keepalive executor failed:" in control.log()
+    assert code == 0

@@ -1,12 +1,14 @@
-"""What a supervisor sees (keepalive_executor/supervision.py).
+"""What a supervisor sees (keepalive_executor/supervision.py), and what an operator scrapes
+(keepalive's /metrics series, metrics.py and collector.py) on a real `vllm serve`.
 
 Without an engine: `vllm serve`'s command is wrapped where vLLM binds it, and the wrapper's
 exit status follows the run's failure records; the front end's watch, between real
 processes. With real `vllm serve` servers under a child subreaper (tests/subreaper.py, as
 systemd or a container runtime is one): the API server SIGKILLed ends the engine process
 (non-zero) and its ranks within a bound, and the negative control (controls.NoSupervision)
-leaves them running. The exit status after a worker's death, and its control:
-test_serve.py."""
+leaves them running; before that, the keepalive series on its /metrics follow what the
+executor does, and the control (no snapshot) has none. The exit status after a worker's
+death, and its control: test_serve.py."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import psutil
 import pytest
 from run_engine import HERE
 from servers import Server
+from test_metrics import scrape
 
 from keepalive_executor import exit_codes, run_dir
 from keepalive_executor.supervision import FRONTEND_GONE_EXIT_S, serve_with_exit_status
@@ -34,6 +37,9 @@ from keepalive_executor.supervision import FRONTEND_GONE_EXIT_S, serve_with_exit
 GONE_BOUND_S = FRONTEND_GONE_EXIT_S + 9.0
 #: the control: still running this long after its API server was killed
 CONTROL_ALIVE_S = 15.0
+#: --distributed-timeout-seconds of the pair: a keepalive interval of 1 s
+TIMEOUT = "4"
+INTERVAL_S = 1.0
 
 
 @pytest.fixture
@@ -63,6 +69,10 @@ def test_vllms_cli_binds_the_wrapped_serve_command():
     """In a fresh process, as `vllm` does (vllm/entrypoints/cli/main.py): the plugin loads
     while the serve subcommand's parser is built, before the command is bound to it."""
     script = textwrap.dedent("""
+        from vllm import platforms
+        if platforms.current_platform.is_unspecified():  # 0.33/0.34's wheels beside CPU torch
+            from vllm.platforms.cpu import CpuPlatform  # (as vLLM's own `vllm bench` does)
+            platforms.current_platform = CpuPlatform()
         import vllm.entrypoints.cli.serve as serve
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         parser = FlexibleArgumentParser()
@@ -145,6 +155,7 @@ def test_the_engine_ends_with_its_front_end_unless_its_shutdown_began(tmp_path, 
 
 def _server(tiny_model: str, tmp_path: Path, name: str, backend: str) -> Server:
     server = Server(tiny_model, tmp_path / f"{name}.log", backend=backend,
+                    extra_args=["--distributed-timeout-seconds", TIMEOUT],
                     wrapper=[sys.executable, str(HERE / "subreaper.py"),
                              str(tmp_path / f"{name}.status"), "--"],
                     extra_env={"PYTHONPATH": os.pathsep.join(
@@ -162,7 +173,8 @@ def pair(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
     servers: dict[str, Server] = {}
     try:
         servers["keepalive"] = _server(tiny_model, tmp_path, "ka", "keepalive")
-        servers["control"] = _server(tiny_model, tmp_path, "control", "controls.NoSupervision")
+        servers["control"] = _server(tiny_model, tmp_path, "control",
+                                     "controls.NoSupervisionNoMetrics")
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(Server.wait_ready, servers.values()))
         yield servers
@@ -177,6 +189,115 @@ def _engine_tree(server: Server) -> tuple[psutil.Process, list[psutil.Process]]:
     """The API server (the subreaper's child) and the processes it started."""
     [api] = psutil.Process(server.proc.pid).children()
     return api, api.children(recursive=True)
+
+
+def _sample(found: dict, name: str, **labels: str) -> float:
+    hits = [v for (n, ls), v in found.items()
+            if n == name and all(dict(ls).get(k) == w for k, w in labels.items())]
+    assert len(hits) == 1, (name, labels, sorted(found)[:20])
+    return hits[0]
+
+
+def _fresh(server: Server, since: float, bound: float = 15.0) -> dict:
+    """A scrape whose snapshot was written after ``since`` (wall time)."""
+    deadline = time.monotonic() + bound
+    while True:
+        found = scrape(server.base_url)
+        if _sample(found, "vllm_keepalive_snapshot_timestamp_seconds") > since:
+            return found
+        assert time.monotonic() < deadline, "no snapshot newer than that"
+        time.sleep(0.1)
+
+
+def _ask(server: Server, max_tokens: int = 16) -> None:
+    server.client().completions.create(model="tiny", prompt="Hello, my name is",
+                                       max_tokens=max_tokens, temperature=0)
+
+
+def check_state_ranks_and_info(server: Server) -> None:
+    found = scrape(server.base_url)
+    assert _sample(found, "vllm_keepalive_executor_state", state="running",
+                   model_name="tiny", engine="0") == 1
+    assert _sample(found, "vllm_keepalive_executor_state", state="failed") == 0
+    assert [_sample(found, "vllm_keepalive_rank_up", rank=r) for r in "01"] == [1, 1]
+    import vllm
+
+    import keepalive_executor
+    assert _sample(found, "vllm_keepalive_info", version=keepalive_executor.__version__,
+                   vllm_version=vllm.__version__.split("+")[0], launcher="spawned",
+                   world_size="2", interval_seconds=f"{INTERVAL_S:g}") == 1
+
+
+def check_steps_and_bytes_grow_with_requests(server: Server) -> None:
+    before = _fresh(server, time.time())
+    for _ in range(3):
+        _ask(server)
+    after = _fresh(server, time.time())
+    for name, kind in (("vllm_keepalive_steps_total", "execute"),
+                       ("vllm_keepalive_broadcast_bytes_total", "step")):
+        assert _sample(after, name, kind=kind) >= _sample(before, name, kind=kind) + 3 * 16
+    assert (_sample(after, "vllm_keepalive_step_dispatch_seconds_count") >
+            _sample(before, "vllm_keepalive_step_dispatch_seconds_count"))
+    assert _sample(after, "vllm_keepalive_last_broadcast_timestamp_seconds",
+                   kind="step") > _sample(before, "vllm_keepalive_snapshot_timestamp_seconds")
+
+
+def check_keepalives_grow_while_idle(server: Server) -> None:
+    """Three intervals and more of idleness: three keepalives at least."""
+    before = _fresh(server, time.time())
+    lanes.idle(4.5 * INTERVAL_S)
+    after = _fresh(server, time.time())
+    grew = (_sample(after, "vllm_keepalive_keepalives_sent_total")
+            - _sample(before, "vllm_keepalive_keepalives_sent_total"))
+    assert grew >= 3, grew
+
+
+def check_no_keepalive_during_a_burst(server: Server) -> None:
+    """Requests back to back from 8 clients: steps every few milliseconds, so never an
+    interval without a frame; two snapshots written during the burst, 2 s apart, show steps
+    and no keepalive between them."""
+    import threading
+
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            _ask(server, 32)
+
+    with lanes.alone():
+        threads = [threading.Thread(target=client) for _ in range(8)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(1.0)
+            first = _fresh(server, time.time())
+            time.sleep(2.0)
+            second = _fresh(server, time.time())
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+    assert (_sample(second, "vllm_keepalive_steps_total", kind="execute") >
+            _sample(first, "vllm_keepalive_steps_total", kind="execute") + 20)
+    assert (_sample(second, "vllm_keepalive_keepalives_sent_total") ==
+            _sample(first, "vllm_keepalive_keepalives_sent_total"))
+
+
+METRICS_CHECKS = (check_state_ranks_and_info, check_steps_and_bytes_grow_with_requests,
+                  check_keepalives_grow_while_idle, check_no_keepalive_during_a_burst)
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+def test_the_keepalive_series_follow_the_executor_control_without_snapshots_has_none(pair):
+    """On /metrics over HTTP: the executor running, both ranks up, the versions; steps and
+    bytes that grow with requests; keepalives that grow while idle and not while busy. Each
+    check fails on the control, whose executor writes no snapshot."""
+    for check in METRICS_CHECKS:
+        check(pair["keepalive"])
+    for check in METRICS_CHECKS:
+        with pytest.raises(AssertionError):
+            check(pair["control"])
 
 
 @pytest.mark.slow
