@@ -20,7 +20,9 @@ start-up measures nothing here: its collectives run under the start-up timeout
 busy (its processes import vLLM one after another), so two side by side take about as long as
 one. A start-up in a script (``run_script``) is a region only through ``start_up_in_region``
 (the script calls ``handoff.started()`` once its engine is up): a test whose claim is about
-its start-up does not use it.
+its start-up does not use it. A cached reference that runs live (its key does not match
+this machine: a CPU without its own variant, a changed script) runs alone, in whatever test
+asks for it (tests/reaping.py, ``run_reference``): it measures mp, as a test's windows do.
 When a region ends, the worker waits for exclusivity again before its test goes on: the
 servers it started idle meanwhile, which a keepalive server survives by design and which a
 negative control (no keepalives) may not (test_serve.py's and test_pipeline.py's controls

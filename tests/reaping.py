@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import lanes
 import psutil
 
 __all__ = ["TAG_ENV", "reaped", "run_reference"]
@@ -143,7 +144,14 @@ def reaped(run: Callable[..., T]) -> Callable[..., T]:
 
 def run_reference(reference: Any) -> dict:
     """A reference's result (``run_engine.Reference``): cached, or run live with whatever
-    its script leaves behind reaped."""
+    its script leaves behind reaped, and, in the serial phase's lanes, with the machine to
+    itself (``lanes.alone``, also inside a test marked overlappable): the live run measures
+    mp, some of it against a bound (what a killed rank does to its server within
+    dp_scripts.EXIT_WAIT_S), as the test's own measured windows do; and its mp server is load
+    the other lane's regions and the guest tier were not planned beside."""
     from run_engine import run_script
 
-    return reference.result(run=reaped(lambda call: run_script(**call)))
+    if reference.cached is not None:
+        return reference.cached
+    with lanes.alone():
+        return reference.result(run=reaped(lambda call: run_script(**call)))

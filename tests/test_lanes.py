@@ -201,6 +201,51 @@ def test_an_overlappable_test_is_a_region_until_a_test_that_is_not_starts(lanes,
     assert not can_take(probe, fcntl.LOCK_SH)
 
 
+# a reference's script that says whether anything could run beside it: another lane's region,
+# or the guest, would take the lock shared
+SEES_THE_LOCK = """
+import fcntl, json, os, sys
+kw = json.loads(sys.argv[2])
+fd = os.open(kw["lock"], os.O_RDWR)
+try:
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    alone = False
+except BlockingIOError:
+    alone = True
+print("RESULT " + json.dumps({"alone": alone}))
+"""
+
+
+def test_a_reference_run_live_has_the_machine_to_itself_in_an_overlappable_test(
+        lanes, probe, tmp_path, monkeypatch):
+    """A stale reference runs live in the test that asks for it, often inside its region
+    (test_data_parallel's and test_serve's tests are overlappable): the live run is a
+    measurement of mp (answers, and what a killed rank does to its server within a bound), as
+    the test's own measured windows are, and an extra mp server beside the other lane's region
+    and the guest is load nobody planned for. So it runs with the machine to itself, and the
+    test's region resumes after it; a cached one takes nothing."""
+    import reaping
+    from run_engine import Reference
+
+    monkeypatch.setattr(reaping, "lanes", lanes)
+    script = tmp_path / "sees_the_lock.py"
+    script.write_text(SEES_THE_LOCK)
+    call = dict(name="sees", script=str(script), lock=str(tmp_path / "lanes.lock"))
+    lanes.hold()
+    lanes.start_test(True)  # a test marked overlappable: its region
+    live = Reference("sees", call, {"cpu_isa": "any"}, tmp_path / "sees.json", None,
+                     ["no cached file"])
+    assert reaping.run_reference(live) == {"alone": True}
+    assert can_take(probe, fcntl.LOCK_SH)  # its region again
+    cached = Reference("sees", call, {"cpu_isa": "any"}, tmp_path / "sees.json",
+                       {"alone": "cached"}, [])
+    fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the other lane's region, beside
+    try:
+        assert reaping.run_reference(cached) == {"alone": "cached"}  # no wait for the machine
+    finally:
+        fcntl.flock(probe, fcntl.LOCK_UN)
+
+
 @pytest.fixture
 def guest(tmp_path, monkeypatch):
     """A fresh copy of the module as the lanes' guest (the no-engine tier beside them)."""
