@@ -24,10 +24,13 @@ vLLM     what an executor outside vLLM meets
          and ``wait_briefly()`` (``EngineCoreProc._wait_for_output``). Only the V2 model
          runner is left (no receive-buffer fix needed). The fault-tolerance sentinel reads
          ``executor.failure_callback``; process checkpoints (``checkpoint_prepare``)
-         suspend vLLM's device communicators, not the executor's channel. NUMA binding
+         suspend vLLM's device communicators, not the executor's channel, and
+         ``--enable-sleep-mode`` mounts their endpoint (``sleep_mode_mounts_checkpoints``).
+         NUMA binding
          of workers (``vllm/utils/numa_utils.py``, opt-in with ``--numa-bind`` since 0.32)
-         becomes automatic; it wraps each worker's process start, which is the
-         executor's (``worker_numa_binding``).
+         becomes automatic, but only for mp and uni: keepalive's workers are bound with
+         ``--numa-bind`` (``worker_numa_binding`` wraps each worker's start as mp does), and
+         say so where mp's would have been bound without it.
 =======  ==================================================================================
 
 Refused on every supported release: ``--enable-fault-tolerance`` (its recovery rebuilds
@@ -42,6 +45,7 @@ checkpoint endpoint.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import re
 from collections.abc import Mapping
@@ -132,6 +136,13 @@ class VllmRelease:
         """0.34's busy loop polls a step's future (``poll``/``wait_briefly``) and takes new
         requests and aborts while the step runs."""
         return self.minor is not None and self.minor >= (0, 34)
+
+    @property
+    def binds_numa_automatically(self) -> bool:
+        """0.34 binds workers to their GPUs' NUMA nodes where the host allows it unless told
+        not to (``--numa-bind`` defaults to None), and decides it for mp and uni only
+        (``numa_utils._can_auto_bind``); before, binding is opt-in for every executor."""
+        return self.minor is None or self.minor >= (0, 34)
 
     @property
     def sleep_mode_mounts_checkpoints(self) -> bool:
@@ -261,14 +272,40 @@ def start_worker_watchdog(rank: int, vllm_config: Any) -> WorkerWatchdog:
     return WorkerWatchdog(None if isinstance(dog, NoopWatchDog) else dog)
 
 
+#: whether this process has said that its workers start unbound where mp's would be bound
+_numa_noted = False
+
+
 def worker_numa_binding(vllm_config: Any, local_rank: int) -> contextlib.AbstractContextManager:
     """Around a worker process's start: vLLM's NUMA binding of that worker
-    (``numa_utils.configure_subprocess``, what mp wraps its ``proc.start()`` in: opt-in
-    with ``--numa-bind`` in 0.32 and 0.33, automatic where possible in 0.34), or nothing
-    where the release has none."""
+    (``numa_utils.configure_subprocess``, what mp wraps its ``proc.start()`` in), or nothing
+    where the release has none. It binds with ``--numa-bind``; 0.34's automatic binding
+    (``--numa-bind`` unset) is decided for mp and uni only, so keepalive's workers then
+    start unbound, which the first worker's start says where mp's would have been bound."""
     try:
-        from vllm.utils.numa_utils import configure_subprocess
+        from vllm.utils import numa_utils
     except ImportError:
         return contextlib.nullcontext()
-    return configure_subprocess(vllm_config, local_rank, process_kind="worker")
+    global _numa_noted
+    parallel_config = vllm_config.parallel_config
+    if (not _numa_noted and not parallel_config.numa_bind
+            and release().binds_numa_automatically
+            and _mp_would_bind(numa_utils, parallel_config, local_rank)):
+        _numa_noted = True
+        logger.info("keepalive: the workers start without NUMA binding, where vLLM would "
+                    "bind mp's to their GPUs' NUMA nodes (its automatic binding is for the "
+                    "mp and uni executors only): pass --numa-bind to bind them")
+    return numa_utils.configure_subprocess(vllm_config, local_rank, process_kind="worker")
+
+
+def _mp_would_bind(numa_utils: Any, parallel_config: Any, local_rank: int) -> bool:
+    """Whether vLLM's automatic NUMA binding would bind mp's worker ``local_rank`` on this
+    host (vLLM's own decision, asked of a copy of the configuration under mp)."""
+    as_mp = copy.copy(parallel_config)
+    as_mp.distributed_executor_backend = "mp"
+    try:
+        return bool(numa_utils._can_auto_bind(as_mp, local_rank))
+    except Exception:  # noqa: BLE001 - vLLM's private decision moved: say nothing
+        logger.debug("could not ask vLLM's automatic NUMA binding", exc_info=True)
+        return False
 

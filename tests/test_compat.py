@@ -224,6 +224,116 @@ def test_checkpoint_rpcs_are_refused_before_anything_is_sent():
     assert compat.refused_rpc(len) is None
 
 
+# -- NUMA binding of the spawned workers -----------------------------------------------
+def _parallel(backend: str = "mp", **fields):
+    """A real ParallelConfig of this release (TP=2), under BACKEND."""
+    from vllm.config import ParallelConfig
+
+    config = ParallelConfig(tensor_parallel_size=2, **fields)
+    config.distributed_executor_backend = backend
+    return config
+
+
+@pytest.fixture
+def numa_host(monkeypatch):
+    """What vLLM's automatic NUMA binding probes, answered as on a host where it binds: two
+    GPUs (on NUMA node 0 here, the one node this machine has: vLLM reads its CPU list),
+    numactl installed, the spawn start method, an unbound process. The decision code is the
+    release's own."""
+    import shutil
+
+    from vllm import envs
+    from vllm.platforms import current_platform
+    from vllm.utils import numa_utils
+
+    monkeypatch.setattr(envs, "VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: f"/usr/bin/{name}")
+    monkeypatch.setattr(numa_utils, "_is_auto_numa_available", lambda *a, **k: True)
+    monkeypatch.setattr(numa_utils, "get_auto_numa_nodes", lambda: [0, 0])
+    monkeypatch.setattr(numa_utils, "_probe_numactl_args", lambda args: True)
+    monkeypatch.setattr(current_platform, "device_count", lambda *a, **k: 2, raising=False)
+    monkeypatch.setattr(compat, "_numa_noted", False, raising=False)
+    return numa_utils
+
+
+def test_vllm_binds_numa_automatically_only_under_mp_and_uni(numa_host):
+    """The resolution keepalive's workers meet: on a release where binding is automatic
+    (0.34: ``--numa-bind`` defaults to None), vLLM decides it only for its mp and uni
+    executors; under keepalive it resolves to off on a host where mp's workers are bound.
+    Before 0.34 it is opt-in (default False) for every executor."""
+    if not compat.release().binds_numa_automatically:
+        assert _parallel().numa_bind is False
+        return
+    assert _parallel().numa_bind is None
+    assert numa_host._can_auto_bind(_parallel("mp"), 1) is True
+    assert numa_host._can_auto_bind(_parallel("keepalive"), 1) is False
+    keepalive = _parallel("keepalive")
+    with numa_host.configure_subprocess(SimpleNamespace(parallel_config=keepalive), 1):
+        pass
+    assert keepalive.numa_bind is False  # resolved: unbound
+
+
+def test_with_numa_bind_given_a_keepalive_worker_starts_under_vllms_numactl_wrapper(numa_host):
+    """``--numa-bind`` (here with ``--numa-bind-nodes``, as on any release): the spawned
+    worker's start is wrapped in vLLM's numactl wrapper with the arguments mp's worker of the
+    same local rank gets, and the start method is given back after it."""
+    import multiprocessing.spawn
+    import os
+
+    config = SimpleNamespace(parallel_config=_parallel("keepalive", numa_bind=True,
+                                                       numa_bind_nodes=[0, 0]))
+    expected = numa_host._get_numactl_worker_args(
+        _parallel("mp", numa_bind=True, numa_bind_nodes=[0, 0]), 1)
+    before = multiprocessing.spawn.get_executable()
+    with compat.worker_numa_binding(config, 1):
+        assert os.environ[numa_host._NUMACTL_ARGS_ENV] == expected
+        assert os.fsdecode(multiprocessing.spawn.get_executable()).endswith("numa_wrapper.sh")
+    assert multiprocessing.spawn.get_executable() == before
+
+
+def test_workers_left_unbound_where_mp_would_bind_them_are_noted_naming_the_flag(numa_host,
+                                                                                caplog):
+    """Where vLLM would bind mp's workers automatically and keepalive's start unbound, the
+    first worker's start says so once, naming --numa-bind; not where --numa-bind was given,
+    and not on a release whose binding is opt-in (0.32, 0.33)."""
+    import logging
+
+    unset = None if compat.release().binds_numa_automatically else False
+    def notes() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "--numa-bind" in r.getMessage()
+                and r.name.startswith("vllm.keepalive_executor")]
+
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        bound = SimpleNamespace(parallel_config=_parallel("keepalive", numa_bind=True,
+                                                          numa_bind_nodes=[0, 0]))
+        with compat.worker_numa_binding(bound, 1):
+            pass
+        assert notes() == []
+        for rank in (1, 2):
+            config = SimpleNamespace(parallel_config=_parallel("keepalive", numa_bind=unset))
+            with compat.worker_numa_binding(config, rank):
+                pass
+    notes = notes()
+    if not compat.release().binds_numa_automatically:
+        assert notes == [], notes
+        return
+    assert len(notes) == 1, notes
+    assert "start without NUMA binding" in notes[0] and "mp" in notes[0], notes[0]
+
+
+def test_no_note_where_mp_would_not_bind_either(caplog):
+    """This machine (one NUMA node, no GPU): mp's workers would start unbound too."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        with compat.worker_numa_binding(SimpleNamespace(parallel_config=_parallel(
+                "keepalive", numa_bind=None if compat.release().binds_numa_automatically
+                else False)), 1):
+            pass
+    assert not [r for r in caplog.records if "--numa-bind" in r.getMessage()
+                and r.name.startswith("vllm.keepalive_executor")]
+
+
 # -- the executor against the installed release's contract ----------------------------
 def test_every_abstract_method_of_this_releases_executor_is_implemented():
     assert not getattr(KeepaliveExecutor, "__abstractmethods__", frozenset())
