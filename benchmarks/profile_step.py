@@ -5,6 +5,11 @@ The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so its executor ca
     python benchmarks/profile_step.py keepalive|mp          # TP=2
     python benchmarks/profile_step.py uni                   # TP=1: the floor
     python benchmarks/profile_step.py keepalive|mp --pp 2   # TP=1 x PP=2
+    python benchmarks/profile_step.py keepalive-nometrics   # keepalive, /metrics off
+
+``keepalive-nometrics`` is the keepalive executor with its /metrics counters and snapshot
+writer off (tests/controls.py's NoSupervisionNoMetrics; the supervision half plays no part
+in-process): ``benchmarks/metrics_overhead.py`` runs it and ``keepalive`` in alternation.
 
 Every rank also times vLLM's own ``Worker.execute_model`` and ``Worker.sample_tokens``
 (``step_timer.py``, loaded as the worker extension in every worker process, whichever executor
@@ -58,13 +63,19 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     from tiny_model import build_tiny_model
 
-    if backend == "keepalive":
+    executor: object = backend
+    if backend.startswith("keepalive"):
         import torch.distributed
 
         from keepalive_executor.channel import BroadcastChannel
         from keepalive_executor.driver import DriverRank
         from keepalive_executor.executor import KeepaliveExecutor as Cls
         from keepalive_executor.outputs import OutputLink
+
+        if backend == "keepalive-nometrics":
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+            from controls import NoSupervisionNoMetrics as Cls  # noqa: N813
+            executor = Cls
 
         timed(BroadcastChannel, "send", "broadcast (channel.send)")
         # inside it, the asynchronous collective call itself (the channel's only one per
@@ -96,7 +107,7 @@ def main() -> None:
 
     timer_dir = tempfile.mkdtemp(prefix="profile-step-")
     os.environ["PROFILE_STEP_DIR"] = timer_dir
-    llm = LLM(str(build_tiny_model()), distributed_executor_backend=backend, max_model_len=256,
+    llm = LLM(str(build_tiny_model()), distributed_executor_backend=executor, max_model_len=256,
               max_num_seqs=8, gpu_memory_utilization=0.2,
               worker_extension_cls="step_timer.StepTimer", **layout)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)

@@ -48,7 +48,8 @@ PREFIX = "vllm_keepalive_"
 STATES = ("starting", "running", "failed", "stopped")
 #: every series this collector exports (counters by their sample name, with ``_total``)
 SERIES = tuple(PREFIX + name for name in (
-    "info", "executor_state", "snapshot_timestamp_seconds", "keepalives_sent_total",
+    "info", "executor_state", "snapshot_timestamp_seconds", "interval_seconds",
+    "keepalives_sent_total",
     "steps_total", "broadcast_bytes_total", "last_broadcast_timestamp_seconds",
     "step_dispatch_seconds", "rank_up", "rank_heartbeat_age_seconds", "rank_failures_total",
 ))
@@ -153,6 +154,8 @@ def families(snaps: list[dict[str, Any]], now: float) -> Iterator[Any]:
                 ("state",))
     written = fam(GaugeMetricFamily, "snapshot_timestamp_seconds", "when the engine last "
                   "wrote its snapshot (Unix time): older than a few seconds = stale series")
+    interval = fam(GaugeMetricFamily, "interval_seconds", "the keepalive interval: the most "
+                   "time the channel stays silent while the engine is up")
     keepalives = fam(CounterMetricFamily, "keepalives_sent", "no-op keepalives the pacer sent")
     steps = fam(CounterMetricFamily, "steps", "engine calls broadcast, by kind", ("kind",))
     sent = fam(CounterMetricFamily, "broadcast_bytes", "bytes rank 0 broadcast on the "
@@ -176,6 +179,7 @@ def families(snaps: list[dict[str, Any]], now: float) -> Iterator[Any]:
         for s in STATES:
             state.add_metric([*labels, s], 1.0 if snap.get("state") == s else 0.0)
         written.add_metric(labels, float(snap.get("written_at", 0)))
+        interval.add_metric(labels, float(i.get("interval_s", 0)))
         keepalives.add_metric(labels, float(snap.get("keepalives", 0)))
         for kind in STEP_KINDS:
             steps.add_metric([*labels, kind], float(snap.get("steps", {}).get(kind, 0)))
@@ -201,7 +205,7 @@ def families(snaps: list[dict[str, Any]], now: float) -> Iterator[Any]:
                 for cause in FAILURE_CAUSES:
                     failures.add_metric([*labels, rank, cause],
                                         1.0 if (int(rank), cause) in lost else 0.0)
-    yield from (info, state, written, keepalives, steps, sent, last, dispatch, up, age,
+    yield from (info, state, written, interval, keepalives, steps, sent, last, dispatch, up, age,
                 failures)
 
 

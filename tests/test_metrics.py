@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -320,3 +321,28 @@ def test_the_exported_names_follow_prometheus_conventions():
         assert name.startswith(collector.PREFIX) and ":" not in name
     assert all(n.endswith("_total") for n in SERIES if "sent" in n or "failures" in n)
     assert set(metrics.FAILURE_CAUSES) == {"exited", "heartbeat"}
+
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "examples" / "grafana" / \
+    "keepalive-dashboard.json"
+
+
+def test_the_dashboards_queries_name_series_that_exist():
+    """examples/grafana/keepalive-dashboard.json: every keepalive series a query names is
+    one the collector exports (a histogram by its _bucket, _sum or _count), every vLLM
+    series one that vLLM's own metrics code defines, and every exported series is shown."""
+    import vllm
+
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+    named = {n for e in exprs for n in re.findall(r"\bvllm[_:][a-zA-Z0-9_:]*", e)}
+    ours = {re.sub(r"_(bucket|sum|count)$", "", n) if "dispatch" in n else n
+            for n in named if n.startswith(collector.PREFIX)}
+    assert ours <= set(SERIES), ours - set(SERIES)
+    assert set(SERIES) - ours == set(), "not on the dashboard"
+    vllm_source = (Path(vllm.__file__).parent / "v1" / "metrics" / "loggers.py").read_text()
+    theirs = {n for n in named if n.startswith("vllm:")}
+    assert theirs and all(f'"{re.sub(r"_total$", "", n)}"' in vllm_source for n in theirs), \
+        theirs
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in dash["panels"])
