@@ -30,7 +30,7 @@ WORKER_TITLE = {"keepalive": "KeepaliveWorker_TP1", "mp": "Worker_TP1"}
 
 
 def start(model: str, backend: str, name: str, out: Path, extra: list[str] | None = None,
-          extra_env: dict | None = None) -> Server:
+          extra_env: dict | None = None, wrapper: list[str] | None = None) -> Server:
     fault_dir = out / f"faults-{backend}-{name}"
     fault_dir.mkdir(parents=True, exist_ok=True)
     env = {"KEEPALIVE_FAULT_DIR": str(fault_dir),
@@ -39,7 +39,7 @@ def start(model: str, backend: str, name: str, out: Path, extra: list[str] | Non
     env.update(extra_env or {})
     s = Server(model, out / f"fault-{backend}-{name}.log", backend=backend,
                extra_args=["--distributed-timeout-seconds", "30", *(extra or [])],
-               extra_env=env)
+               extra_env=env, wrapper=wrapper)
     s.fault_dir = fault_dir
     s.wait_ready()
     return s
@@ -121,6 +121,35 @@ def kill_engine(model: str, backend: str, out: Path, busy: bool) -> dict:
     proc(s, "EngineCore").kill()
     r = {"workers_gone_s": until(lambda: not alive(workers))}
     r.update(finish(s, tree))
+    return r
+
+
+def kill_api_server(model: str, backend: str, out: Path) -> dict:
+    """SIGKILL of the API server (the OOM killer, `kill -9`), under a child subreaper
+    (tests/subreaper.py, as systemd is one) that reaps whatever is left to it: how long
+    until the engine process and the workers are gone (None: still there 30 s later), and
+    the engine's exit status."""
+    status = out / f"api-kill-{backend}.status"
+    status.unlink(missing_ok=True)
+    s = start(model, backend, "kill-api", out,
+              wrapper=[sys.executable, str(HERE.parent / "tests" / "subreaper.py"),
+                       str(status), "--"])
+    [api] = psutil.Process(s.proc.pid).children()
+    rest = api.children(recursive=True)
+    engine = next(p for p in rest if "EngineCore" in p.name())
+    t0 = time.time()
+    api.kill()
+    gone = until(lambda: not alive(rest), 30)
+    r: dict[str, Any] = {"engine_and_workers_gone_s": gone,
+                         "left_after_30s": len(alive(rest)) if gone is None else 0}
+    for p in alive(rest):
+        p.kill()
+    s.proc.wait(30)
+    ended = {json.loads(x)["pid"]: json.loads(x) for x in status.read_text().splitlines()}
+    e = ended.get(engine.pid, {})
+    r["engine_exit"] = e.get("code") if e.get("signal") is None else -e["signal"]
+    r["engine_exit_s"] = round(e["at"] - t0, 2) if e else None
+    s.stop()
     return r
 
 
@@ -258,6 +287,7 @@ SCENARIOS = {
     "worker SIGKILL, 8 streams": lambda m, b, o: kill_worker(m, b, o, True),
     "engine SIGKILL, idle": lambda m, b, o: kill_engine(m, b, o, False),
     "engine SIGKILL, 8 streams": lambda m, b, o: kill_engine(m, b, o, True),
+    "API server SIGKILL": kill_api_server,
     "API server SIGTERM": sigterm,
     "API server SIGTERM, drain 10 s": lambda m, b, o: sigterm(m, b, o, 10),
     "rank 1 raises in a step": raise_in_step,
