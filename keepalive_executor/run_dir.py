@@ -29,6 +29,7 @@ exception: metrics and the exit status are never a reason to fail serving.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -99,7 +100,9 @@ def claim(*, force: bool) -> int:
     """Make this process the front end of the engines it starts from now on; returns the
     front end's pid. ``force`` False: only if no run is set in this process yet (a run
     inherited from another process is kept). A run directory this process claims afresh is
-    emptied first: anything in it is from a dead process that had the same pid."""
+    emptied first: anything in it is from a dead process that had the same pid. Unless
+    ``force`` (the caller removes it: supervision.py), it is removed when this process
+    exits."""
     current_pid = current()
     if current_pid is not None and not force:
         return current_pid
@@ -109,6 +112,8 @@ def claim(*, force: bool) -> int:
         path = _run_path(pid)
         if path is not None:
             shutil.rmtree(path, ignore_errors=True)
+        if not force:
+            atexit.register(remove, pid)
     return pid
 
 

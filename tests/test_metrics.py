@@ -346,3 +346,15 @@ def test_the_dashboards_queries_name_series_that_exist():
     assert theirs and all(f'"{re.sub(r"_total$", "", n)}"' in vllm_source for n in theirs), \
         theirs
     assert all(p["datasource"]["uid"] == "${datasource}" for p in dash["panels"])
+
+
+def test_a_run_claimed_by_a_process_of_its_own_is_removed_when_that_process_exits(run):
+    """A process that resolved the executor itself (an `LLM` in a user's program) leaves no
+    run directory behind; `vllm serve` removes its own (supervision.py)."""
+    script = ("from keepalive_executor import run_dir; import os; "
+              "os.environ.pop(run_dir.FRONTEND_ENV, None); pid = run_dir.claim(force=False); "
+              "run_dir.record_failure('x'); print(pid, run_dir.run_dir(pid))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, check=True)
+    pid, path = out.stdout.split()
+    assert path.endswith(f"run-{pid}") and not os.path.exists(path)
