@@ -25,7 +25,7 @@ from keepalive_executor.lifecycle import ExecutorState, Lifecycle
 from keepalive_executor.log import get_logger
 from keepalive_executor.metrics import NullMeter, SnapshotWriter, StepMeter, open_writer
 from keepalive_executor.protections import Protections
-from keepalive_executor.supervision import FrontendWatch
+from keepalive_executor.supervision import FrontendWatch, StopSignals
 
 __all__ = ["Reporting", "describe", "engine_index", "launcher_name"]
 
@@ -81,12 +81,15 @@ class Reporting:
         self.meter: StepMeter = NullMeter()
         self._writer: SnapshotWriter | None = None
         self._watch: FrontendWatch | None = None
+        self._stop_signals = StopSignals()
         self._static: dict[str, Any] = {}
 
     def watch_frontend(self, on_gone: Callable[[str], None],
                        end_ranks: Callable[[], None]) -> None:
-        """Watch the front end from now on, if this engine runs in a process of its own."""
+        """Watch the front end from now on, if this engine runs in a process of its own;
+        note a stop signal to this process (a failure after it is no failure of the run)."""
         if self._protections.supervision and self._watch is None:
+            self._stop_signals.install()
             self._watch = FrontendWatch.for_this_engine(on_gone, end_ranks)
             if self._watch is not None:
                 self._watch.start()
@@ -140,8 +143,12 @@ class Reporting:
             self._writer.poke()
 
     def failed(self, reason: str) -> None:
-        """The executor failed: record it for the exit status, and snapshot it."""
-        if self._protections.supervision:
+        """The executor failed: record it for the exit status (unless this process was
+        asked to stop first: a rank that left with the stop), and snapshot it."""
+        if self._stop_signals.received is not None:
+            logger.info("keepalive: not recorded for the exit status: the failure came after "
+                        "signal %d asked this process to stop", self._stop_signals.received)
+        elif self._protections.supervision:
             run_dir.record_failure(reason)
         self.changed()
 

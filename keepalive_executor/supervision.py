@@ -19,12 +19,20 @@ Two promises that vLLM's own front end does not keep for any executor (``mp`` in
    is gone) unless vLLM's error path ended it first. It does not wait for that path:
    vLLM's engine process first waits up to 5 s to tell a front end that no longer exists
    that it died (``_send_engine_dead``).
+
+A stop is not a failure. SIGTERM or SIGINT to the whole process group (Ctrl-C in a terminal,
+systemd's default ``KillMode=control-group``) reaches the ranks too, and a rank that leaves
+in the middle of a step fails the executor on its way down. :class:`StopSignals` notes, in the
+engine process, that it was asked to stop (its handler runs before the ranks' deaths are
+seen: a rank's own handler runs only once its wait on the channel returns), and from then on
+a failure is logged but not recorded for the exit status.
 """
 
 from __future__ import annotations
 
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -34,7 +42,8 @@ from typing import Any
 from keepalive_executor import exit_codes, run_dir
 from keepalive_executor.log import get_logger
 
-__all__ = ["install_exit_status", "FrontendWatch", "FRONTEND_GONE_EXIT_S", "POLL_S"]
+__all__ = ["install_exit_status", "serve_with_exit_status", "StopSignals", "FrontendWatch",
+           "FRONTEND_GONE_EXIT_S", "POLL_S"]
 
 logger = get_logger(__name__)
 
@@ -90,6 +99,35 @@ def serve_with_exit_status(run: Callable[[], Any]) -> int:
         return exit_codes.OK
     finally:
         run_dir.remove(pid)
+
+
+class StopSignals:
+    """Whether this process was asked to stop (SIGTERM, SIGINT) since :meth:`install`. The
+    handlers in place (vLLM's engine process has its own) still run, after the note."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def install(self) -> bool:
+        """Chain a note in front of the current handlers; False where this cannot be done
+        (not the main thread: signal handlers are the main thread's)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig in self.SIGNALS:
+            previous = signal.getsignal(sig)
+
+            def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+                self.received = signum
+                if callable(previous):
+                    previous(signum, frame)
+                elif previous == signal.SIG_DFL:  # what the default would have done
+                    signal.signal(signum, signal.SIG_DFL)
+                    signal.raise_signal(signum)
+
+            signal.signal(sig, handler)
+        return True
 
 
 class FrontendWatch:

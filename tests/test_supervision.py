@@ -88,6 +88,37 @@ def test_vllms_cli_binds_the_wrapped_serve_command():
     assert out.stdout.split()[-1] == "True"
 
 
+STOPPED = textwrap.dedent("""
+    # an engine process asked to stop by a signal, whose rank then dies on its way down
+    import os, signal, sys
+    from keepalive_executor import run_dir
+    from keepalive_executor.protections import Protections
+    from keepalive_executor.reporting import Reporting
+    run_dir.claim(force=True)
+    seen = []
+    signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))  # as vLLM's engine process
+    report = Reporting(Protections())
+    report.watch_frontend(on_gone=print, end_ranks=lambda: None)
+    if sys.argv[1] == "signal":
+        os.kill(os.getpid(), signal.SIGTERM)
+    report.failed("worker rank 1 (pid 7) died unexpectedly (exit code 0)")
+    print(seen == [signal.SIGTERM] or sys.argv[1] != "signal", len(run_dir.failures()))
+""")
+
+
+@pytest.mark.fast
+def test_a_failure_after_a_stop_signal_is_not_recorded_and_the_previous_handler_runs(run):
+    """A group-wide SIGTERM or Ctrl-C reaches the ranks too: the failure their going down
+    causes is no failure of the run. Without the signal (the control) it is recorded."""
+    outcomes = {}
+    for how in ("signal", "none"):
+        out = subprocess.run([sys.executable, "-c", STOPPED, how], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        outcomes[how] = out.stdout.split()[-2:]
+    assert outcomes == {"signal": ["True", "0"], "none": ["True", "1"]}
+
+
 WATCHED = textwrap.dedent("""
     # the engine process: watches its parent (the front end) as keepalive's engine does
     import os, sys, time
