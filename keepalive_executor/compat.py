@@ -24,8 +24,10 @@ vLLM     what an executor outside vLLM meets
          and ``wait_briefly()`` (``EngineCoreProc._wait_for_output``). Only the V2 model
          runner is left (no receive-buffer fix needed). The fault-tolerance sentinel reads
          ``executor.failure_callback``; process checkpoints (``checkpoint_prepare``)
-         suspend vLLM's device communicators, not the executor's channel, and
-         ``--enable-sleep-mode`` mounts their endpoint (``sleep_mode_mounts_checkpoints``).
+         suspend vLLM's device communicators, not the executor's channel;
+         ``--enable-sleep-mode`` mounts their endpoint (``sleep_mode_mounts_checkpoints``),
+         whose engine side drains, pauses and discards the KV cache before it asks the
+         executor: the engine is made to refuse first (``refuse_checkpoints_first``).
          NUMA binding
          of workers (``vllm/utils/numa_utils.py``, opt-in with ``--numa-bind`` since 0.32)
          becomes automatic, but only for mp and uni: keepalive's workers are bound with
@@ -38,8 +40,9 @@ vLLM's process groups in place and expects a failed executor to serve again; a k
 executor that failed stays failed, and its channel lives in groups the recovery does not
 rebuild), ``--enable-elastic-ep`` (it rebuilds the groups to scale, and its scale-up launch
 skips the warm-up) and process checkpoints (the pacer keeps broadcasting on a channel a
-checkpoint does not suspend); on 0.34 therefore ``--enable-sleep-mode`` too, which mounts the
-checkpoint endpoint.
+checkpoint does not suspend). Sleep mode is not: on 0.34 it also mounts ``POST
+/checkpoint/prepare``, which this executor's engine refuses before anything is paused
+(``refuse_checkpoints_first``), with HTTP 400 and the reason, and serves on.
 """
 
 from __future__ import annotations
@@ -217,17 +220,43 @@ def check_features(vllm_config: Any) -> None:
             "--checkpoint-prepare-on-startup (process checkpoints suspend vLLM's device "
             "communicators, not the keepalive channel, whose broadcasts go on: drop the "
             "flag, or use --distributed-executor-backend mp)")
-    elif (getattr(model_config, "enable_sleep_mode", False)
-          and release().sleep_mode_mounts_checkpoints):
-        problems.append(
-            f"--enable-sleep-mode on vLLM {release().version} (with it the server also "
-            "serves POST /checkpoint/prepare, which process checkpoints need and the "
-            "keepalive executor cannot serve; the engine would drain, pause and discard its "
-            "KV cache before the executor could refuse, and then reject every request: "
-            "drop the flag, or use --distributed-executor-backend mp)")
     if problems:
         raise KeepaliveConfigError(
             "--distributed-executor-backend keepalive does not support " + "; ".join(problems))
+
+
+_CHECKPOINTS_REFUSED = "_keepalive_refuses_checkpoints"
+
+
+def refuse_checkpoints_first() -> bool:
+    """vLLM 0.34's engine side of ``POST /checkpoint/prepare`` (``EngineCoreProc.
+    checkpoint_prepare``) checks its preconditions, then drains, pauses and discards the KV
+    cache, and only then asks the executor: a refusal there leaves the checkpoint FAILED and
+    the engine rejecting every request. Its preconditions return a refusal with nothing
+    changed (the endpoint answers HTTP 400 with it), so an engine whose executor refuses
+    process checkpoints (``refuses_process_checkpoints``) gets one more: this one, first.
+    Called in the engine process; idempotent; True where the release has the method."""
+    try:
+        from vllm.v1.engine import core
+    except ImportError:
+        return False
+    engine_class = getattr(core, "EngineCoreProc", None)
+    original = getattr(engine_class, "checkpoint_prepare", None)
+    if original is None:
+        return False
+    if getattr(original, _CHECKPOINTS_REFUSED, False):
+        return True
+
+    def checkpoint_prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(getattr(self, "model_executor", None), "refuses_process_checkpoints", False):
+            return _REFUSED_RPCS["checkpoint_prepare"]
+        return original(self, *args, **kwargs)
+
+    setattr(checkpoint_prepare, _CHECKPOINTS_REFUSED, True)
+    checkpoint_prepare.__doc__ = original.__doc__
+    checkpoint_prepare.__wrapped__ = original  # type: ignore[attr-defined]
+    engine_class.checkpoint_prepare = checkpoint_prepare
+    return True
 
 
 def refused_rpc(method: Any) -> str | None:

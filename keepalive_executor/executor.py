@@ -48,11 +48,15 @@ class KeepaliveExecutor(Executor):
     #: control is a subclass with one off (protections.py, tests/controls.py).
     protections: Protections = Protections()
     validate = staticmethod(validate)
+    #: vLLM 0.34's engine refuses POST /checkpoint/prepare before it pauses anything
+    #: (compat.refuse_checkpoints_first): the channel cannot be suspended for a checkpoint
+    refuses_process_checkpoints: bool = True
     #: the worker method after whose return the start-up is over, once the warm-up has
     #: told (compat.last_startup_call); None before that, and after the start-up
     _startup_ends_after: str | None = None
 
     def _init_executor(self) -> None:
+        compat.refuse_checkpoints_first()  # this engine process's, before it serves
         self._pp = self.parallel_config.pipeline_parallel_size > 1
         self._pieces = pieces = Pieces(self.parallel_config, polls=self._engine_polls_steps(),
                                        protections=self.protections)

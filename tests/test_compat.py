@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from vllm.v1.executor.abstract import Executor
@@ -120,23 +121,15 @@ def _sleep_config(enable_sleep_mode: bool):
     return cfg
 
 
-def test_sleep_mode_is_refused_where_it_mounts_the_checkpoint_endpoint():
-    """vLLM 0.34 mounts POST /checkpoint/prepare with --enable-sleep-mode; the engine drains,
-    pauses and discards its KV cache before it asks the executor, which can only refuse
-    then (the replay below): refused at start-up, naming the flag. 0.32 and 0.33 have no
-    such endpoint: sleep mode is left alone there."""
+def test_sleep_mode_is_not_refused():
+    """On 0.34 sleep mode also mounts POST /checkpoint/prepare, which the engine refuses
+    first (the replays below): sleep mode itself stays usable on every release."""
     compat.check_features(_sleep_config(False))
-    if not compat.release().sleep_mode_mounts_checkpoints:
-        compat.check_features(_sleep_config(True))
-        return
-    with pytest.raises(KeepaliveConfigError, match="--enable-sleep-mode") as e:
-        compat.check_features(_sleep_config(True))
-    assert "/checkpoint/prepare" in str(e.value)
-    assert "--distributed-executor-backend mp" in str(e.value)
+    compat.check_features(_sleep_config(True))
 
 
 def test_this_releases_front_end_mounts_the_checkpoint_endpoint_as_compat_says():
-    """The contract behind the refusal above: the front end of this release mounts
+    """The contract behind the replays below: the front end of this release mounts
     /checkpoint/prepare exactly when compat says, and with sleep mode."""
     try:
         from vllm.entrypoints.launchers.api_server import routers
@@ -150,19 +143,12 @@ def test_this_releases_front_end_mounts_the_checkpoint_endpoint_as_compat_says()
         assert "model_config.enable_sleep_mode" in source
 
 
-def test_a_checkpoint_prepare_reaches_the_executor_only_after_the_engine_paused():
-    """This release's own engine sequence for POST /checkpoint/prepare (EngineCoreProc's
-    checkpoint_prepare), against the keepalive executor with its calls recorded: the engine
-    pauses, synchronizes the device and discards the KV cache, and only then asks the
-    executor, whose refusal leaves the checkpoint FAILED and the engine unable to resume.
-    No answer the executor gives at that point can help: hence the refusal at start-up."""
+def _checkpoint_engine(calls: list[str]) -> Any:
+    """This release's EngineCoreProc, bare, around the keepalive executor with its calls
+    recorded, and a scheduler that records its pauses."""
+    from recording_executor import recording_executor
     from vllm.v1.engine import core
 
-    if not hasattr(core.EngineCoreProc, "checkpoint_prepare"):
-        pytest.skip(f"vLLM {compat.installed_version()} has no process checkpoints")
-    from recording_executor import recording_executor
-
-    calls: list[str] = []
     config = SimpleNamespace(parallel_config=SimpleNamespace(),
                              model_config=SimpleNamespace(enable_sleep_mode=True))
 
@@ -193,8 +179,29 @@ def test_a_checkpoint_prepare_reaches_the_executor_only_after_the_engine_paused(
     engine._idle_state_callbacks = []
     engine.mm_receiver_cache = None
     engine.reject_new_requests = False
+    return engine
 
-    assert engine.checkpoint_prepare("wait") is None  # accepted: nothing is refused here
+
+def _has_checkpoints() -> Any:
+    from vllm.v1.engine import core
+
+    if not hasattr(core.EngineCoreProc, "checkpoint_prepare"):
+        pytest.skip(f"vLLM {compat.installed_version()} has no process checkpoints")
+    return core
+
+
+def test_unguarded_a_checkpoint_prepare_reaches_the_executor_only_after_the_engine_paused():
+    """Why the engine must refuse first (the control of the test below): this release's own
+    engine sequence for POST /checkpoint/prepare (EngineCoreProc.checkpoint_prepare, as
+    vLLM ships it) pauses, synchronizes the device and discards the KV cache, and only then
+    asks the executor, whose refusal leaves the checkpoint FAILED and the engine unable to
+    resume: every later request is rejected while /health says 200."""
+    core = _has_checkpoints()
+    calls: list[str] = []
+    engine = _checkpoint_engine(calls)
+    prepare = getattr(core.EngineCoreProc.checkpoint_prepare, "__wrapped__",
+                      core.EngineCoreProc.checkpoint_prepare)  # vLLM's own
+    assert prepare(engine, "wait") is None  # accepted: nothing is refused here
     state, error = engine.checkpoint_state()
     assert state == core.CheckpointState.FAILED, (state, calls)
     assert "process checkpoints are not supported" in error
@@ -205,6 +212,25 @@ def test_a_checkpoint_prepare_reaches_the_executor_only_after_the_engine_paused(
     with pytest.raises(RuntimeError, match="Cannot resume"):
         engine.resume_scheduler()
     print(" -> ".join(calls), "-> refused:", error)
+
+
+def test_the_engine_refuses_a_checkpoint_prepare_before_it_pauses_anything():
+    """With the keepalive executor in it, the engine's own preconditions refuse POST
+    /checkpoint/prepare first (compat.refuse_checkpoints_first, which the executor applies
+    in its engine process): the endpoint answers 400 with the reason, nothing is paused or
+    discarded, the checkpoint state stays RUNNING, and the engine serves on."""
+    core = _has_checkpoints()
+    assert compat.refuse_checkpoints_first() and compat.refuse_checkpoints_first()
+    calls: list[str] = []
+    engine = _checkpoint_engine(calls)
+    refusal = engine.checkpoint_prepare("wait")
+    assert "process checkpoints are not supported by the keepalive executor" in refusal
+    assert calls == [], calls
+    assert engine.checkpoint_state() == (core.CheckpointState.RUNNING, None)
+    assert not engine.reject_new_requests
+    other = _checkpoint_engine(calls)  # an engine whose executor does not refuse: vLLM's path
+    other.model_executor.refuses_process_checkpoints = False
+    assert other.checkpoint_prepare("wait") is None and "<scheduler PAUSED_NEW>" in calls
 
 
 def test_the_refused_flags_exist_under_those_names_in_this_vllm():
