@@ -300,7 +300,7 @@ class Pieces:
             callback()
 
     def end_startup(self) -> None:
-        """The engine's start-up is over: every rank answered its warm-up."""
+        """The engine's start-up is over (its last start-up call returned: compat.py)."""
         if self.ranks is not None:
             self.ranks.end_startup()
         self.started = True
