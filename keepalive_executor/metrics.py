@@ -50,7 +50,8 @@ __all__ = ["SNAPSHOT_VERSION", "SNAPSHOT_PERIOD_S", "DISPATCH_BUCKETS_S", "STEP_
 logger = get_logger(__name__)
 
 SNAPSHOT_VERSION = 1
-#: How often the writer refreshes the snapshot (and at once on every state change).
+#: How often the writer refreshes the snapshot (and at once on every state change); in
+#: launcher mode as often as the heartbeats are read (reporting.snapshot_period_s).
 SNAPSHOT_PERIOD_S = 1.0
 #: Upper bounds of the step-dispatch histogram's buckets (50 us to 100 ms), +Inf implied.
 DISPATCH_BUCKETS_S = (5e-05, 1e-04, 2.5e-04, 5e-04, 1e-03, 2.5e-03, 5e-03, 1e-02, 2.5e-02,
@@ -230,8 +231,10 @@ class SnapshotWriter:
 
 
 def open_writer(engine: str, meter: StepMeter, describe: Callable[[], dict[str, Any]],
-                mirror: Mirror | None = None) -> SnapshotWriter | None:
+                mirror: Mirror | None = None,
+                period_s: float = SNAPSHOT_PERIOD_S) -> SnapshotWriter | None:
     """A writer for this engine process's snapshot in its run directory, or None if there
     is no usable run directory (warned by run_dir)."""
     path = run_dir.engine_snapshot_path(engine)
-    return None if path is None else SnapshotWriter(path, meter, describe, mirror=mirror)
+    return None if path is None else SnapshotWriter(path, meter, describe, mirror=mirror,
+                                                    period_s=period_s)

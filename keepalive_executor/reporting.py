@@ -23,7 +23,13 @@ from keepalive_executor import __version__, compat, run_dir
 from keepalive_executor.collector import MultiprocessMirror
 from keepalive_executor.lifecycle import ExecutorState, Lifecycle
 from keepalive_executor.log import get_logger
-from keepalive_executor.metrics import NullMeter, SnapshotWriter, StepMeter, open_writer
+from keepalive_executor.metrics import (
+    SNAPSHOT_PERIOD_S,
+    NullMeter,
+    SnapshotWriter,
+    StepMeter,
+    open_writer,
+)
 from keepalive_executor.protections import Protections
 from keepalive_executor.supervision import FrontendWatch, StopSignals
 
@@ -70,6 +76,19 @@ def describe(life: Lifecycle, ranks: Any, started: bool) -> dict[str, Any]:
         if st.lost_cause is not None:
             lost.append({"rank": rank, "cause": st.lost_cause})
     return {"state": state, "ranks": out, "rank_failures": lost}
+
+
+def snapshot_period_s(settings: Any) -> float:
+    """How often the snapshot is written: ``SNAPSHOT_PERIOD_S``; in launcher mode as often
+    as rank 0 reads the heartbeats (a sixth of the liveness timeout, 0.25 s on one node), so
+    that the heartbeat ages a scrape computes from it are never more than that stale, well
+    inside the timeout they are read against."""
+    from keepalive_executor.torchrun import in_torchrun_mode
+    from keepalive_executor.torchrun.liveness import BEATS_PER_TIMEOUT
+
+    if not in_torchrun_mode():
+        return SNAPSHOT_PERIOD_S
+    return min(SNAPSHOT_PERIOD_S, settings.liveness_timeout_s / BEATS_PER_TIMEOUT)
 
 
 class Reporting:
@@ -121,7 +140,8 @@ class Reporting:
 
         # (several API servers: vLLM's /metrics reads prometheus_client's files: collector.py)
         writer = open_writer(self._static["engine"], meter, snapshot_fields,
-                             MultiprocessMirror.from_environ())
+                             MultiprocessMirror.from_environ(),
+                             period_s=snapshot_period_s(settings))
         if writer is None:
             return
         self.meter, self._writer = meter, writer

@@ -51,8 +51,9 @@ def _server(tiny_model: str, tmp_path, name: str, backend: str = "keepalive") ->
 @pytest.fixture(scope="module")
 def servers(tiny_model, tmp_path_factory) -> Iterator[dict[str, Server]]:
     """The keepalive server, and the negative control beside it: the same without the pacer
-    and the failure record (controls.NoKeepalivesNoSupervision), both started at once (their start-up collectives run under the
-    start-up timeout, not the 5 s: startup_timeouts.py)."""
+    and the failure record (controls.NoKeepalivesNoSupervision), both started at once
+    (their start-up collectives run under the start-up timeout, not the 5 s:
+    startup_timeouts.py)."""
     from concurrent.futures import ThreadPoolExecutor
 
     tmp_path = tmp_path_factory.mktemp("serve")

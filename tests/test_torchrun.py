@@ -18,6 +18,8 @@ from procs import left_after
 from run_engine import PYTHONPATH
 from serve_scripts import LOAD_ARGS, ask, texts
 from servers import TorchrunServer, by_title, failure_excerpt
+from test_metrics import scrape
+from test_metrics import value as sample
 
 TIMEOUT = "5"  # --distributed-timeout-seconds; the keepalive interval is then 1.25 s
 SIGTERM_EXIT = 1  # torchrun's code when it is stopped by SIGTERM (SignalException)
@@ -81,7 +83,10 @@ def test_one_node_serves_like_mp_survives_idle_and_notices_a_frozen_rank1_by_its
     hung process or a lost node does, so no transport error reaches the driver; with NCCL
     not even a send fails) and its heartbeat on torchrun's store stops: the server fails
     within the liveness window, and torchrun ends every rank. (Without the heartbeat nothing
-    notices: the control below. A clean stop by SIGTERM: the pipeline test at the end.)"""
+    notices: the control below. A clean stop by SIGTERM: the pipeline test at the end.)
+    Before that, a freeze shorter than the liveness timeout: rank 0's /metrics shows rank
+    1's heartbeat age growing while it lasts and back near zero after it, and the server
+    serves on."""
     server = TorchrunServer(tiny_model, tmp_path, extra_args=[*ARGS, *LOAD_ARGS])
     rank1 = None
     try:
@@ -100,6 +105,34 @@ def test_one_node_serves_like_mp_survives_idle_and_notices_a_frozen_rank1_by_its
         assert ("keepalive torchrun mode: configuration published for ranks 1..1 (one node, "
                 "heartbeat liveness timeout 1.5s)") in log
         assert "rank 1 of 2 (local rank 1) follows the driver" in log
+        found = scrape(server.base_url)
+        assert sample(found, "vllm_keepalive_info", launcher="torchrun", world_size="2") == 1
+        assert sample(found, "vllm_keepalive_rank_up", rank="1") == 1
+        assert sample(found, "vllm_keepalive_executor_state", state="running") == 1
+
+        def age() -> float:
+            return sample(scrape(server.base_url), "vllm_keepalive_rank_heartbeat_age_seconds",
+                          rank="1")
+
+        with lanes.alone():  # a freeze shorter than the liveness timeout
+            [rank1] = by_title(server, "KeepaliveWorker_TP1")
+            rank1.suspend()
+            t0 = time.monotonic()
+            time.sleep(0.2)
+            early = age()
+            time.sleep(0.45)
+            late = age()
+            rank1.resume()
+            frozen_s = time.monotonic() - t0
+            assert frozen_s < 0.8 * ONE_NODE_LIVENESS_S, frozen_s  # else this proves nothing
+            assert late >= early + 0.3 and late >= 0.4, (early, late)
+            deadline = time.monotonic() + 5
+            while (back := age()) >= 0.6:
+                assert time.monotonic() < deadline, f"heartbeat age still {back:.2f}s"
+                time.sleep(0.05)
+            print(f"heartbeat age while frozen {early:.2f}s -> {late:.2f}s, then {back:.2f}s")
+        assert server.health() == 200
+        rank1 = None
         with lanes.alone():  # the freeze and the liveness window
             found = by_title(server, "KeepaliveWorker_TP1")
             assert len(found) == 1, (found, failure_excerpt(server.logs(), 3000))
