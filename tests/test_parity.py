@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import pytest
 from parity_scripts import CHOICES, JSON_SCHEMA, REGEX
+from reaping import reaped
 from reference_calls import REFERENCES
 from run_engine import Reference, parity_call, reference_call, run_scripts, say, with_references
 
@@ -63,8 +64,9 @@ def both(tmp_path_factory: pytest.TempPathFactory, model: str, group: str,
     if negative_control:
         live.append(keepalive_call(tmp_path_factory, model, name, run=NO_MERGE,
                                    backend="controls.NoConnectorMerge"))
-    got, [ref] = with_references(live, references(tmp_path_factory, model, [name]), run=run,
-                                 say=say)
+    # (reaped: a run that times out leaves no server of its scripts behind)
+    got, [ref] = with_references(live, references(tmp_path_factory, model, [name]),
+                                 run=reaped(run), say=say)
     return {"keepalive": got[0], "mp": ref, **({NO_MERGE: got[1]} if negative_control else {})}
 
 
@@ -211,7 +213,8 @@ def pipeline_tp1_pp2(tiny_model, tmp_path_factory):
     (ka, ka_eager), (mp, tp1) = with_references(
         [keepalive_call(tmp_path_factory, tiny_model, name),
          keepalive_call(tmp_path_factory, tiny_model, name, run="eager", eager=True)],
-        references(tmp_path_factory, tiny_model, COMPARED["pipeline_tp1_pp2"]), say=say)
+        references(tmp_path_factory, tiny_model, COMPARED["pipeline_tp1_pp2"]),
+        run=reaped(run_scripts), say=say)
     return {"keepalive": ka, "mp": mp, "keepalive-eager": ka_eager, "tp1": tp1}
 
 
