@@ -121,16 +121,25 @@ class KeepaliveCollector:
         self._pids = pids
         self._wall = wall
         self._cache = _Cache()
+        self._warned = False
 
     def describe(self) -> list:
         """Nothing up front: the series exist only while an engine writes snapshots."""
         return []
 
     def collect(self) -> Iterator[Any]:
-        """The series, from the snapshots as they are now."""
-        snaps = read_snapshots(self._pids(), self._cache)
-        if snaps:
-            yield from families(snaps, self._wall())
+        """The series, from the snapshots as they are now. Never raises: an error here
+        would fail the whole /metrics answer, vLLM's own series with it."""
+        try:
+            snaps = read_snapshots(self._pids(), self._cache)
+            found = list(families(snaps, self._wall())) if snaps else []
+        except Exception as e:  # noqa: BLE001 - one warning, no series this scrape
+            if not self._warned:
+                self._warned = True
+                logger.warning("keepalive: the /metrics series could not be built (%s: %s); "
+                               "vLLM's own series are served without them", type(e).__name__, e)
+            return
+        yield from found
 
 
 def families(snaps: list[dict[str, Any]], now: float) -> Iterator[Any]:

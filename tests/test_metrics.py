@@ -153,6 +153,25 @@ def test_a_torn_snapshot_is_warned_once_and_its_last_good_reading_is_served(run,
     assert sum("cannot read the /metrics snapshot" in r.message for r in caplog.records) == 1
 
 
+def test_a_snapshot_the_collector_cannot_make_series_of_fails_no_scrape(run, caplog):
+    """A snapshot of the right version but a wrong shape (another release's, say): the
+    scrape answers, with the other collectors' series, and one warning."""
+    path = run_dir.run_dir(create=True)
+    Path(path, f"engine-0-{os.getpid()}.json").write_text(
+        json.dumps({"version": 1, "written_at": 1.0, "engine": "0", "steps": [1, 2]}))
+    registry = CollectorRegistry()
+    registry.register(KeepaliveCollector())
+    from prometheus_client import Gauge
+
+    Gauge("another_series", "another collector's", registry=registry).set(3)
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        for _ in range(2):
+            found = samples(registry)
+            assert found[("another_series", ())] == 3
+            assert not [n for n, _ in found if n.startswith("vllm_keepalive_")]
+    assert sum("could not be built" in r.message for r in caplog.records) == 1
+
+
 def test_an_unwritable_directory_is_one_warning_never_an_error(tmp_path, caplog):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
