@@ -412,8 +412,8 @@ def test_the_systemd_unit_verifies_restarts_on_failure_and_outlasts_vllms_drain(
     assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), done
     # the check above can fail: a misspelt value is only a warning, and a missing command
     # an error
-    bad = _verify(_unit_with_this_vllm(tmp_path, text.replace("KillMode=control-group",
-                                                              "KillMode=control_group")))
+    bad = _verify(_unit_with_this_vllm(tmp_path, text.replace("KillMode=mixed",
+                                                              "KillMode=mixd")))
     assert "Failed to parse kill mode" in bad.stderr, bad
     missing = tmp_path / "missing" / UNIT.name
     missing.parent.mkdir()
@@ -421,7 +421,7 @@ def test_the_systemd_unit_verifies_restarts_on_failure_and_outlasts_vllms_drain(
     assert _verify(missing).returncode != 0
     settings = _settings(text)
     assert settings["Restart"] == "on-failure"
-    assert settings["KillMode"] == "control-group"
+    assert settings["KillMode"] == "mixed"  # SIGTERM to the API server: vLLM's drain
     argv = shlex.split(settings["ExecStart"])
     assert Path(argv[0]).name == "vllm" and argv[1] == "serve"
     model = re.search(r"^Environment=MODEL=(\S+)$", text, re.M).group(1)
