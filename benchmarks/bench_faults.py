@@ -142,8 +142,12 @@ def kill_api_server(model: str, backend: str, out: Path) -> dict:
     gone = until(lambda: not alive(rest), 30)
     r: dict[str, Any] = {"engine_and_workers_gone_s": gone,
                          "left_after_30s": len(alive(rest)) if gone is None else 0}
-    for p in alive(rest):
-        p.kill()
+    r["left_after_30s_names"] = sorted(n.split(" ", 1)[1] for n in alive(rest))
+    for p in rest:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
     s.proc.wait(30)
     ended = {json.loads(x)["pid"]: json.loads(x) for x in status.read_text().splitlines()}
     e = ended.get(engine.pid, {})
