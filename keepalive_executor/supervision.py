@@ -30,6 +30,7 @@ a failure is logged but not recorded for the exit status.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -152,6 +153,8 @@ class FrontendWatch:
         except (AttributeError, OSError):
             self._fd = None  # polled instead
         self._wake_r, self._wake_w = os.pipe()
+        self._fds_lock = threading.Lock()
+        self._fds_closed = False
         self._thread = threading.Thread(target=self._run, name="keepalive-frontend-watch",
                                         daemon=True)
 
@@ -172,7 +175,9 @@ class FrontendWatch:
     def stop(self) -> None:
         """The engine is shutting down: the front end may end first, that is no failure."""
         self._stopped.set()
-        os.write(self._wake_w, b"x")
+        with self._fds_lock:
+            if not self._fds_closed:  # (the thread closes them when it ends)
+                os.write(self._wake_w, b"x")
 
     def _gone(self) -> bool:
         """Block until the front end ends (True) or :meth:`stop` (False)."""
@@ -190,8 +195,12 @@ class FrontendWatch:
             if not self._gone():
                 return
         finally:
-            if self._fd is not None:
-                os.close(self._fd)
+            with self._fds_lock:
+                self._fds_closed = True
+                for fd in (self._fd, self._wake_r, self._wake_w):
+                    if fd is not None:
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
         reason = (f"the process that started this engine (pid {self.pid}, vLLM's front end) "
                   "is gone; this engine and its ranks end with it")
         logger.error("keepalive: %s", reason)
