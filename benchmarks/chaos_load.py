@@ -212,6 +212,7 @@ class Load:
             req = self._open[rid] = _Open(name, what, t, t)
         got: list[int] = []
         outcome, error = "ok", ""
+        finish: str | None = None  # the server's finish_reason, once it gave one
 
         def check(ids: list[int], prompt_ids: list[int] | None, t: float) -> str | None:
             if prompt_ids is not None and list(prompt_ids) != prompt:
@@ -235,6 +236,7 @@ class Load:
                     req.event(t)
                     if not c.choices:
                         continue
+                    finish = c.choices[0].finish_reason or finish
                     extra = c.choices[0].model_extra or {}
                     bad = check(list(extra.get("token_ids") or []),
                                 extra.get("prompt_token_ids"), t)
@@ -251,13 +253,20 @@ class Load:
                 out = client.completions.create(**_body(r))
                 t = time.monotonic()
                 req.event(t)
+                finish = out.choices[0].finish_reason
                 extra = out.choices[0].model_extra or {}
                 bad = check(list(extra.get("token_ids") or []), extra.get("prompt_token_ids"), t)
                 if bad:
                     outcome, error = "wrong", bad
             if outcome == "ok" and got != expected:
-                outcome, error = "wrong", (f"{what}: ended without an error after {len(got)} "
-                                           f"tokens of the known answer's {len(expected)}")
+                if finish in ("stop", "length"):  # the server says this is the whole answer
+                    outcome, error = "wrong", (
+                        f"{what}: ended ({finish}) after {len(got)} tokens of the known "
+                        f"answer's {len(expected)}")
+                else:  # "abort" (vLLM's, e.g. a shutdown's) or none: an error, said so
+                    outcome, error = "error", (
+                        f"{what}: finish_reason {finish!r} after {len(got)} correct tokens "
+                        f"of {len(expected)}")
         except Exception as e:  # noqa: BLE001 - any failure is the outcome, recorded
             outcome, error = "error", f"{type(e).__name__}: {str(e)[:160]}"
         end = time.monotonic()

@@ -31,7 +31,7 @@ from keepalive_executor.metrics import (
     open_writer,
 )
 from keepalive_executor.protections import Protections
-from keepalive_executor.supervision import FrontendWatch, StopSignals
+from keepalive_executor.supervision import FrontendWatch, StopSignals, drop_early_watch
 
 __all__ = ["Reporting", "describe", "engine_index", "launcher_name"]
 
@@ -107,7 +107,10 @@ class Reporting:
                        end_ranks: Callable[[], None]) -> None:
         """Watch the front end from now on, if this engine runs in a process of its own;
         note a stop signal to this process (a failure after it is no failure of the run)."""
-        if self._protections.supervision and self._watch is None:
+        if not self._protections.supervision:
+            drop_early_watch()  # a negative control's engine outlives its front end
+            return
+        if self._watch is None:
             self._stop_signals.install()
             self._watch = FrontendWatch.for_this_engine(on_gone, end_ranks)
             if self._watch is not None:

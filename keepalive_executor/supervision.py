@@ -18,7 +18,14 @@ Two promises that vLLM's own front end does not keep for any executor (``mp`` in
    ``FRONTEND_GONE_EXIT_S`` later (exit code ``ORPHANED``, as a spawned worker whose engine
    is gone) unless vLLM's error path ended it first. It does not wait for that path:
    vLLM's engine process first waits up to 5 s to tell a front end that no longer exists
-   that it died (``_send_engine_dead``).
+   that it died (``_send_engine_dead``). The watch starts with the engine process, not with
+   its executor: a front end killed while the engine starts would otherwise leave it
+   waiting up to five minutes in vLLM's handshake with a front end that is gone (mp's
+   engines too). An engine process that vLLM spawns imports this module while it unpickles
+   its arguments (the executor class among them); one that it forks runs
+   :func:`watch_front_end_early` from an ``os.register_at_fork`` hook. Until the executor
+   adopts the watch (:meth:`FrontendWatch.for_this_engine`) there are no ranks to end: the
+   process ends ``FRONTEND_GONE_EXIT_S`` after its front end.
 
 A stop is not a failure. SIGTERM or SIGINT to the whole process group (Ctrl-C in a terminal,
 systemd's default ``KillMode=control-group``) reaches the ranks too, and a rank that leaves
@@ -44,7 +51,7 @@ from keepalive_executor import exit_codes, run_dir
 from keepalive_executor.log import get_logger
 
 __all__ = ["install_exit_status", "serve_with_exit_status", "StopSignals", "FrontendWatch",
-           "FRONTEND_GONE_EXIT_S", "POLL_S"]
+           "ProcessWatch", "watch_front_end_early", "FRONTEND_GONE_EXIT_S", "POLL_S"]
 
 logger = get_logger(__name__)
 
@@ -131,14 +138,17 @@ class StopSignals:
         return True
 
 
-class FrontendWatch:
-    """Thread ``keepalive-frontend-watch``: calls ``on_gone(reason)`` once when process
-    ``pid`` (this engine process's parent, the front end) ends; ``ORPHANED`` exit after
-    ``exit_after_s`` if the process is still there by then (``end_ranks`` first). One way
-    to stop it: :meth:`stop` (the executor's shutdown)."""
+class ProcessWatch:
+    """A thread that waits for process ``pid`` to end (a pidfd; polled where Linux has none)
+    and then calls ``on_gone(reason)`` and ``end_ranks()`` (each if given), and ends this
+    process ``exit_after_s`` later with :meth:`exit_code` unless it ended first. One way to
+    stop it: :meth:`stop`. Subclasses say who ``pid`` is (:meth:`reason`) and how this
+    process exits (:meth:`exit_code`)."""
 
-    def __init__(self, pid: int, on_gone: Callable[[str], None],
-                 end_ranks: Callable[[], None], *,
+    thread_name = "keepalive-process-watch"
+
+    def __init__(self, pid: int, on_gone: Callable[[str], None] | None = None,
+                 end_ranks: Callable[[], None] | None = None, *,
                  exit_after_s: float = FRONTEND_GONE_EXIT_S,
                  exit: Callable[[int], None] = os._exit) -> None:
         self.pid = pid
@@ -151,43 +161,53 @@ class FrontendWatch:
         try:
             self._fd = os.pidfd_open(pid)
         except (AttributeError, OSError):
-            self._fd = None  # polled instead
+            self._fd = None  # polled instead (or gone already: the poll sees it at once)
         self._wake_r, self._wake_w = os.pipe()
-        self._fds_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._fds_closed = False
-        self._thread = threading.Thread(target=self._run, name="keepalive-frontend-watch",
-                                        daemon=True)
+        self._started = False
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
 
-    @classmethod
-    def for_this_engine(cls, on_gone: Callable[[str], None],
-                        end_ranks: Callable[[], None]) -> FrontendWatch | None:
-        """A watch over this process's front end, if it is this process's parent (the
-        engine runs in a process of its own); None in the front end itself."""
-        pid = run_dir.current()
-        if pid is None or pid == os.getpid() or pid != os.getppid():
-            return None
-        return cls(pid, on_gone, end_ranks)
+    def reason(self) -> str:
+        return f"process {self.pid} is gone"
+
+    def exit_code(self) -> int:
+        return exit_codes.ORPHANED
+
+    def adopt(self, on_gone: Callable[[str], None] | None,
+              end_ranks: Callable[[], None] | None) -> None:
+        """From now on, call these when the process is gone (an executor took the watch)."""
+        with self._lock:
+            self._on_gone, self._end_ranks = on_gone, end_ranks
 
     def start(self) -> None:
-        """Start the thread (once)."""
+        """Start the thread (once; later calls do nothing)."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
         self._thread.start()
 
     def stop(self) -> None:
-        """The engine is shutting down: the front end may end first, that is no failure."""
+        """The process may end from now on: that is no failure."""
         self._stopped.set()
-        with self._fds_lock:
+        with self._lock:
             if not self._fds_closed:  # (the thread closes them when it ends)
                 os.write(self._wake_w, b"x")
 
+    def _still_there(self) -> bool:
+        """Where no pidfd could be had: is the process still there?"""
+        return run_dir.owner_alive(self.pid)
+
     def _gone(self) -> bool:
-        """Block until the front end ends (True) or :meth:`stop` (False)."""
+        """Block until the process ends (True) or :meth:`stop` (False)."""
         if self._fd is not None:
             ready, _, _ = select.select([self._fd, self._wake_r], [], [])
             return self._fd in ready and not self._stopped.is_set()
         while not self._stopped.is_set():
-            if os.getppid() != self.pid:
+            if not self._still_there():
                 return True
-            ready, _, _ = select.select([self._wake_r], [], [], POLL_S)
+            select.select([self._wake_r], [], [], POLL_S)
         return False
 
     def _run(self) -> None:
@@ -195,20 +215,108 @@ class FrontendWatch:
             if not self._gone():
                 return
         finally:
-            with self._fds_lock:
+            with self._lock:
                 self._fds_closed = True
                 for fd in (self._fd, self._wake_r, self._wake_w):
                     if fd is not None:
                         with contextlib.suppress(OSError):
                             os.close(fd)
-        reason = (f"the process that started this engine (pid {self.pid}, vLLM's front end) "
-                  "is gone; this engine and its ranks end with it")
+        reason = self.reason()
         logger.error("keepalive: %s", reason)
-        self._on_gone(reason)
-        self._end_ranks()
-        # vLLM's error path may end the process meanwhile (this daemon thread ends with it);
-        # either way, the process does not outlive this.
+        with self._lock:
+            on_gone, end_ranks = self._on_gone, self._end_ranks
+        if on_gone is not None:
+            on_gone(reason)
+        if end_ranks is not None:
+            end_ranks()
+        # vLLM's error path (or this process's own shutdown) may end the process meanwhile
+        # (this daemon thread ends with it); either way, the process does not outlive this.
         time.sleep(self._exit_after_s)
-        logger.error("keepalive: the engine process is still running %gs after its front "
-                     "end ended; it exits now", self._exit_after_s)
-        self._exit(exit_codes.ORPHANED)
+        code = self.exit_code()
+        logger.error("keepalive: this process is still running %gs after that; it exits "
+                     "now (exit code %d)", self._exit_after_s, code)
+        self._exit(code)
+
+
+class FrontendWatch(ProcessWatch):
+    """Thread ``keepalive-frontend-watch`` in an engine process: ends it (and, once an
+    executor adopted the watch, fails that executor and ends its ranks first) when process
+    ``pid``, the front end that started it, is gone. Exit code ``ORPHANED``."""
+
+    thread_name = "keepalive-frontend-watch"
+
+    def reason(self) -> str:
+        return (f"the process that started this engine (pid {self.pid}, vLLM's front end) "
+                "is gone; this engine and its ranks end with it")
+
+    def _still_there(self) -> bool:
+        return os.getppid() == self.pid  # the front end is this process's parent
+
+    @classmethod
+    def for_this_engine(cls, on_gone: Callable[[str], None],
+                        end_ranks: Callable[[], None]) -> FrontendWatch | None:
+        """A watch over this process's front end, if this engine runs in a process of its
+        own (the one started with the process, adopted, else a new one); None in the front
+        end itself, or where the front end is another process's parent and still there."""
+        pid = run_dir.current()
+        if pid is None or pid == os.getpid():
+            return None
+        early = _early_watch
+        if early is not None and early.pid == pid:
+            early.adopt(on_gone, end_ranks)
+            return early
+        if pid != os.getppid() and run_dir.owner_alive(pid):
+            return None
+        # this process's parent; or gone already (the watch then fires at once)
+        return cls(pid, on_gone, end_ranks)
+
+
+#: the watch started with this engine process (watch_front_end_early), until adopted
+_early_watch: FrontendWatch | None = None
+
+
+def watch_front_end_early() -> FrontendWatch | None:
+    """In a process that vLLM's front end started (it exported its pid: run_dir.py), watch
+    the front end from now on; nothing in any other process. Idempotent. A front end that
+    is gone already (killed while this process imported what it needs: spawned, this
+    process runs Python only after a second or more) is noticed at once, in a process that
+    multiprocessing is spawning: the pid names no process any more. A process that merely
+    inherited a stale pid is left alone."""
+    global _early_watch
+    pid = run_dir.current()
+    if _early_watch is not None or pid is None or pid == os.getpid():
+        return _early_watch
+    if pid != os.getppid() and (run_dir.owner_alive(pid) or not _being_spawned()):
+        # a grandchild (a spawned rank: its own parent watches it), or a process that only
+        # inherited a stale pid: not the front end's engine
+        return None
+    _early_watch = FrontendWatch(pid)
+    _early_watch.start()
+    return _early_watch
+
+
+def drop_early_watch() -> None:
+    """A negative control's executor (no supervision): stop the watch started early."""
+    global _early_watch
+    if _early_watch is not None:
+        _early_watch.stop()
+        _early_watch = None
+
+
+def _being_spawned() -> bool:
+    """Is this process a multiprocessing child unpickling its arguments (spawn)?"""
+    import multiprocessing
+
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
+def _after_fork_in_child() -> None:
+    global _early_watch
+    _early_watch = None  # the parent's watch (its thread is not in this process)
+    watch_front_end_early()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+# a spawned engine process imports this module while it unpickles its arguments
+watch_front_end_early()

@@ -649,3 +649,63 @@ def test_a_followers_process_holding_its_gil_past_the_timeout_in_start_up_is_no_
         assert lost and "rank 1 sent no heartbeat" in lost[0], lost
     else:
         assert not lost, lost
+
+
+# ----------------------------------------------------------------- the driver's process
+
+FOLLOWER = """
+import signal, sys, threading, time
+from keepalive_executor.torchrun.env import pid_space
+from keepalive_executor.torchrun.liveness import DriverWatch
+driver_pid, where = int(sys.argv[1]), sys.argv[2]
+stop_requested = threading.Event()
+def on_term(signum, frame):  # as a following rank: note it, keep following
+    stop_requested.set()
+signal.signal(signal.SIGTERM, on_term)
+space = pid_space() if where == "same" else "another-node/1"
+DriverWatch.for_driver({"pid": driver_pid, "pid_space": space}, stop_requested)
+print("following", flush=True)
+while True:  # a step's collective that never ends (vLLM's shared-memory all-reduce)
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("where,term", [("same", False), ("same", True), ("other", False)],
+                         ids=["driver-dies", "sigterm-then-driver-dies",
+                              "other-pid-space-control"])
+def test_a_follower_stuck_in_a_step_ends_soon_after_its_drivers_process(where, term):
+    """A follower that defers SIGTERM and sits in a collective that never returns ends
+    DRIVER_GONE_EXIT_S after the driver's process is gone: exit 1, or 0 if it was asked to
+    stop. The control names the driver in another pid space (another node: no pid watch):
+    the same follower is still there well after."""
+    import subprocess
+    import sys
+
+    from keepalive_executor import exit_codes
+    from keepalive_executor.torchrun.liveness import DRIVER_GONE_EXIT_S
+
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    follower = subprocess.Popen([sys.executable, "-c", FOLLOWER, str(driver.pid), where],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert follower.stdout.readline().strip() == "following"
+        if term:
+            follower.terminate()
+            time.sleep(0.5)
+            assert follower.poll() is None  # deferred, as a following rank does
+        driver.kill()
+        driver.wait()
+        t0 = time.monotonic()
+        if where == "other":
+            time.sleep(DRIVER_GONE_EXIT_S + 3)
+            assert follower.poll() is None
+            return
+        code = follower.wait(DRIVER_GONE_EXIT_S + 10)
+        assert code == (exit_codes.OK if term else exit_codes.FAILED)
+        assert time.monotonic() - t0 >= DRIVER_GONE_EXIT_S - 0.1
+    finally:
+        for p in (driver, follower):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

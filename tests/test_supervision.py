@@ -181,6 +181,83 @@ def test_the_engine_ends_with_its_front_end_unless_its_shutdown_began(tmp_path, 
         reaper.kill()
 
 
+ENGINE_STARTER = textwrap.dedent("""
+    # a front end that starts its engine process as vLLM's does, then waits
+    import multiprocessing, sys, time
+    from keepalive_executor import run_dir
+    method, notes, claim = sys.argv[1:4]
+    if claim == "claim":  # what keepalive's plugin does in vLLM's front end
+        run_dir.claim(force=True)
+    import keepalive_executor.supervision  # loaded with the plugin, in every front end
+    from engine_start import engine_process
+    executor_class = None
+    if method == "spawn":  # the class travels pickled, by name, as vLLM passes it
+        from keepalive_executor.executor import KeepaliveExecutor as executor_class
+    ctx = multiprocessing.get_context(method)
+    ctx.Process(target=engine_process, args=(notes, executor_class)).start()
+    time.sleep(600)
+""")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("method,claim", [("spawn", "claim"), ("fork", "claim"),
+                                          ("spawn", "no-claim")],
+                         ids=["spawned", "forked", "no-run-control"])
+def test_an_engine_process_ends_with_its_front_end_before_any_executor_exists(
+        tmp_path, run, method, claim):
+    """A front end killed while its engine process starts (before vLLM builds the executor:
+    vLLM's handshake would wait five minutes for it): the engine process ends within
+    FRONTEND_GONE_EXIT_S, exit code ORPHANED. The control starts it outside a keepalive run
+    (no front end pid exported, as under mp): it outlives its front end."""
+    notes = tmp_path / "notes"
+    status = tmp_path / "status"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    reaper = subprocess.Popen(
+        [sys.executable, str(HERE / "subreaper.py"), str(status), "--", sys.executable, "-c",
+         ENGINE_STARTER, method, str(notes), claim], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while "started" not in (notes.read_text() if notes.exists() else ""):
+            assert time.monotonic() < deadline and reaper.poll() is None
+            time.sleep(0.05)
+        [front_end] = psutil.Process(reaper.pid).children()
+        engine = next(p for p in front_end.children()
+                      if "resource_tracker" not in " ".join(p.cmdline()))
+        front_end.kill()
+        t0 = time.time()
+        if claim == "no-claim":
+            time.sleep(FRONTEND_GONE_EXIT_S + 3)
+            assert engine.is_running() and engine.status() != psutil.STATUS_ZOMBIE
+            engine.kill()
+        reaper.wait(60)
+        ended = {json.loads(line)["pid"]: json.loads(line)
+                 for line in status.read_text().splitlines()}
+        if claim == "claim":
+            assert ended[engine.pid]["code"] == exit_codes.ORPHANED, ended
+            assert ended[engine.pid]["at"] - t0 < GONE_BOUND_S, ended
+    finally:
+        if reaper.poll() is None:
+            for p in psutil.Process(reaper.pid).children(recursive=True):
+                p.kill()
+            reaper.kill()
+
+
+@pytest.mark.fast
+def test_a_process_that_only_inherited_a_dead_front_ends_pid_is_left_alone(run):
+    """The early watch acts on a dead front end only in a process that multiprocessing is
+    spawning (its engine, killed with it while it imported): any other process that carries
+    the pid of a front end long gone (a stale environment) starts normally and stays."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    code = ("import time, keepalive_executor.supervision as s\n"
+            "time.sleep(s.FRONTEND_GONE_EXIT_S + 1.5)\n"
+            "print('alive', s._early_watch)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, run_dir.FRONTEND_ENV: str(gone.pid)}, timeout=120)
+    assert (out.returncode, out.stdout.strip()) == (0, "alive None"), out.stderr[-2000:]
+
+
 # ---------------------------------------------------------------------- real servers
 
 

@@ -71,7 +71,7 @@ from keepalive_executor.torchrun.env import (
     with_keepalive_backend,
 )
 from keepalive_executor.torchrun.launchers import LaunchError, torchrun_variables
-from keepalive_executor.torchrun.liveness import Heartbeat
+from keepalive_executor.torchrun.liveness import DriverWatch, Heartbeat
 
 __all__ = ["STATUS_FILE_ENV", "record_failure", "StartErrorReport", "main", "USAGE"]
 
@@ -287,6 +287,8 @@ def _follow(env: TorchrunEnv) -> int:
     )
     heartbeat = Heartbeat(connect_store(env), env.key, env.rank, boot["liveness_timeout_s"])
     heartbeat.start()
+    # a step's collective may never notice the driver's end (liveness.DriverWatch)
+    DriverWatch.for_driver(boot.get("driver"), stop_requested)
     bind_threads(vllm_config, env.local_rank)
     following.set()
     try:

@@ -250,3 +250,16 @@ def set_parent_death_signal(sig: int) -> None:
         logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
     if os.getppid() != parent:  # the agent died before the prctl took effect
         os.kill(os.getpid(), sig)
+
+
+def pid_space() -> str:
+    """Which process-id space this process lives in: the host's boot id and this process's
+    pid namespace. Two processes whose ``pid_space()`` agree can name each other by pid
+    (one node, one container); any other pair cannot, whatever their hostnames say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""  # no such files (not Linux): never the same space
+    return f"{boot}/{namespace}"

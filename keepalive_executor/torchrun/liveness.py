@@ -68,7 +68,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from keepalive_executor import exit_codes
 from keepalive_executor.log import get_logger
+from keepalive_executor.supervision import ProcessWatch
+from keepalive_executor.torchrun.env import pid_space
 
 __all__ = ["LivenessCore", "Heartbeat", "LivenessMonitor", "BEATS_PER_TIMEOUT", "STALL_PERIODS",
            "STARTUP_TIMEOUT_FACTOR"]
@@ -355,3 +358,48 @@ class LivenessMonitor(_Periodic):
             )
             return False
         return True
+
+
+#: A follower whose driver's process is gone (and that has not ended by itself meanwhile)
+#: ends this long after: a clean shutdown's own clean-up normally ends it first.
+DRIVER_GONE_EXIT_S = 3.0
+
+
+class DriverWatch(ProcessWatch):
+    """Thread ``keepalive-driver-watch`` in a follower on rank 0's node: ends the follower
+    ``DRIVER_GONE_EXIT_S`` after rank 0's engine process (the driver) is gone.
+
+    Its channel tells a follower that waits on it: the driver's end of the group closes.
+    A follower inside a step's collective learns nothing from it: on CPU, vLLM's one-node
+    all-reduce (shared memory) spins on a peer that will never arrive, holding the follower
+    until torchrun's SIGKILL 30 s after its SIGTERM (which the follower defers while it
+    follows: the driver's shutdown still has to reach it). Seen in a chaos run: a follower
+    frozen past the liveness timeout, thawed after rank 0 ended. On another node the driver
+    cannot be watched by pid; there the step's gloo collectives fail with the peer's
+    connection, and NCCL's are bounded by the collective timeout.
+    Exit code ``OK`` once a stop was requested (torchrun's SIGTERM), else ``FAILED``."""
+
+    thread_name = "keepalive-driver-watch"
+
+    def __init__(self, pid: int, stop_requested: threading.Event, **kwargs: Any) -> None:
+        kwargs.setdefault("exit_after_s", DRIVER_GONE_EXIT_S)
+        super().__init__(pid, **kwargs)
+        self._stop_requested = stop_requested
+
+    def reason(self) -> str:
+        return (f"the driver (rank 0's engine process, pid {self.pid}) is gone; this rank "
+                f"ends {self._exit_after_s:g}s from now unless it has ended by then")
+
+    def exit_code(self) -> int:
+        return exit_codes.OK if self._stop_requested.is_set() else exit_codes.FAILED
+
+    @classmethod
+    def for_driver(cls, driver: dict[str, Any] | None, stop_requested: threading.Event,
+                   **kwargs: Any) -> DriverWatch | None:
+        """A started watch over the driver that the bootstrap names (``driver``: its pid
+        and :func:`pid_space`), if it lives in this process's pid space; else None."""
+        if not driver or not driver.get("pid") or driver.get("pid_space") != pid_space():
+            return None
+        watch = cls(int(driver["pid"]), stop_requested, **kwargs)
+        watch.start()
+        return watch

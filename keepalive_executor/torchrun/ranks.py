@@ -17,7 +17,7 @@ from keepalive_executor.torchrun.bootstrap import (
     post_bootstrap,
     post_error,
 )
-from keepalive_executor.torchrun.env import TorchrunEnv, set_parent_death_signal
+from keepalive_executor.torchrun.env import TorchrunEnv, pid_space, set_parent_death_signal
 from keepalive_executor.torchrun.liveness import LivenessMonitor
 
 __all__ = ["TorchrunRanks"]
@@ -66,6 +66,8 @@ class TorchrunRanks:
             "init_method": self.init_method,
             "spec": settings.channel,
             "liveness_timeout_s": settings.liveness_timeout_s,
+            # a follower in the same pid space watches this process (liveness.DriverWatch)
+            "driver": {"pid": os.getpid(), "pid_space": pid_space()},
         }
         # waits for every follower's nonce (bound to this launch), within the start-up timeout
         if not post_bootstrap(self._store, self.env, payload, self._secret, self._timeout_s):
