@@ -258,17 +258,12 @@ class FrontendWatch(ProcessWatch):
         """A watch over this process's front end, if this engine runs in a process of its
         own (the one started with the process, adopted, else a new one); None in the front
         end itself, or where the front end is another process's parent and still there."""
-        pid = run_dir.current()
-        if pid is None or pid == os.getpid():
-            return None
         early = _early_watch
-        if early is not None and early.pid == pid:
+        if early is not None and early.pid == run_dir.current():
             early.adopt(on_gone, end_ranks)
             return early
-        if pid != os.getppid() and run_dir.owner_alive(pid):
-            return None
-        # this process's parent; or gone already (the watch then fires at once)
-        return cls(pid, on_gone, end_ranks)
+        pid = _front_end_to_watch()
+        return None if pid is None else cls(pid, on_gone, end_ranks)
 
 
 #: the watch started with this engine process (watch_front_end_early), until adopted
@@ -283,16 +278,28 @@ def watch_front_end_early() -> FrontendWatch | None:
     multiprocessing is spawning: the pid names no process any more. A process that merely
     inherited a stale pid is left alone."""
     global _early_watch
-    pid = run_dir.current()
-    if _early_watch is not None or pid is None or pid == os.getpid():
+    if _early_watch is not None:
         return _early_watch
-    if pid != os.getppid() and (run_dir.owner_alive(pid) or not _being_spawned()):
-        # a grandchild (a spawned rank: its own parent watches it), or a process that only
-        # inherited a stale pid: not the front end's engine
+    pid = _front_end_to_watch()
+    if pid is None:
         return None
     _early_watch = FrontendWatch(pid)
     _early_watch.start()
     return _early_watch
+
+
+def _front_end_to_watch() -> int | None:
+    """The front end this process must end with: its parent, if that is the run's front end;
+    or a front end already gone, if this process is being spawned (by it: only the front
+    end's descendants inherit its pid, and its ranks are spawned only once the engine
+    watches). None anywhere else: the front end itself, a grandchild (a spawned rank, which
+    its own parent watches), a process that only inherited a stale pid."""
+    pid = run_dir.current()
+    if pid is None or pid == os.getpid():
+        return None
+    if pid == os.getppid():
+        return pid
+    return pid if _being_spawned() and not run_dir.owner_alive(pid) else None
 
 
 def drop_early_watch() -> None:

@@ -247,15 +247,18 @@ def test_an_engine_process_ends_with_its_front_end_before_any_executor_exists(
 def test_a_process_that_only_inherited_a_dead_front_ends_pid_is_left_alone(run):
     """The early watch acts on a dead front end only in a process that multiprocessing is
     spawning (its engine, killed with it while it imported): any other process that carries
-    the pid of a front end long gone (a stale environment) starts normally and stays."""
+    the pid of a front end long gone (a stale environment) starts normally and stays, its
+    executor's watch included."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     code = ("import time, keepalive_executor.supervision as s\n"
+            "w = s.FrontendWatch.for_this_engine(print, print)  # as an executor asks\n"
+            "w and w.start()\n"
             "time.sleep(s.FRONTEND_GONE_EXIT_S + 1.5)\n"
-            "print('alive', s._early_watch)")
+            "print('alive', s._early_watch, w)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, run_dir.FRONTEND_ENV: str(gone.pid)}, timeout=120)
-    assert (out.returncode, out.stdout.strip()) == (0, "alive None"), out.stderr[-2000:]
+    assert (out.returncode, out.stdout.strip()) == (0, "alive None None"), out.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------- real servers
