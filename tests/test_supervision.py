@@ -12,6 +12,7 @@ death, and its control: test_serve.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -144,19 +145,38 @@ FRONT_END = textwrap.dedent("""
 """)
 
 
+@contextlib.contextmanager
+def _under_subreaper(status: Path, notes: Path, ready: str, timeout_s: float, *argv: str,
+                     env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """``python -c ARGV...`` under tests/subreaper.py (each ended process's status to
+    ``status``), once ``ready`` is in ``notes``; whatever is left is killed on the way out."""
+    reaper = subprocess.Popen([sys.executable, str(HERE / "subreaper.py"), str(status), "--",
+                               sys.executable, "-c", *argv], env=env)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while ready not in (notes.read_text() if notes.exists() else ""):
+            assert time.monotonic() < deadline and reaper.poll() is None
+            time.sleep(0.05)
+        yield reaper
+    finally:
+        if reaper.poll() is None:
+            for p in psutil.Process(reaper.pid).children(recursive=True):
+                p.kill()
+            reaper.kill()
+
+
+def _ended(status: Path) -> dict[int, dict]:
+    """The subreaper's status lines, by pid."""
+    return {line["pid"]: line for line in map(json.loads, status.read_text().splitlines())}
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("stopped", [False, True], ids=["watching", "stopped-control"])
 def test_the_engine_ends_with_its_front_end_unless_its_shutdown_began(tmp_path, run, stopped):
     notes = tmp_path / "notes"
     status = tmp_path / "status"
-    reaper = subprocess.Popen(
-        [sys.executable, str(HERE / "subreaper.py"), str(status), "--", sys.executable, "-c",
-         FRONT_END, WATCHED, str(notes), "stop" if stopped else "go"])
-    try:
-        deadline = time.monotonic() + 60
-        while "watching" not in (notes.read_text() if notes.exists() else ""):
-            assert time.monotonic() < deadline and reaper.poll() is None
-            time.sleep(0.05)
+    with _under_subreaper(status, notes, "watching", 60, FRONT_END, WATCHED, str(notes),
+                          "stop" if stopped else "go") as reaper:
         [front_end] = psutil.Process(reaper.pid).children()
         [engine] = front_end.children()
         front_end.kill()
@@ -166,19 +186,13 @@ def test_the_engine_ends_with_its_front_end_unless_its_shutdown_began(tmp_path, 
             assert engine.is_running() and notes.read_text() == "watching\n"
             engine.kill()
         reaper.wait(30)
-        lines = [json.loads(line) for line in status.read_text().splitlines()]
-        ended = {line["pid"]: line for line in lines}
+        ended = _ended(status)
         if not stopped:
             assert ended[engine.pid]["code"] == exit_codes.ORPHANED, ended
             assert ended[engine.pid]["at"] - t0 < FRONTEND_GONE_EXIT_S + 5
             assert notes.read_text().splitlines()[1:] == [
                 f"gone: the process that started this engine (pid {front_end.pid}, vLLM's "
                 "front end) is gone; this engine and its ranks end with it", "ranks ended"]
-    finally:
-        for p in psutil.Process(reaper.pid).children(recursive=True) if reaper.poll() is None \
-                else []:
-            p.kill()
-        reaper.kill()
 
 
 ENGINE_STARTER = textwrap.dedent("""
@@ -213,14 +227,8 @@ def test_an_engine_process_ends_with_its_front_end_before_any_executor_exists(
     status = tmp_path / "status"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE),
                                                          os.environ.get("PYTHONPATH", "")])}
-    reaper = subprocess.Popen(
-        [sys.executable, str(HERE / "subreaper.py"), str(status), "--", sys.executable, "-c",
-         ENGINE_STARTER, method, str(notes), claim], env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while "started" not in (notes.read_text() if notes.exists() else ""):
-            assert time.monotonic() < deadline and reaper.poll() is None
-            time.sleep(0.05)
+    with _under_subreaper(status, notes, "started", 120, ENGINE_STARTER, method, str(notes),
+                          claim, env=env) as reaper:
         [front_end] = psutil.Process(reaper.pid).children()
         engine = next(p for p in front_end.children()
                       if "resource_tracker" not in " ".join(p.cmdline()))
@@ -231,16 +239,10 @@ def test_an_engine_process_ends_with_its_front_end_before_any_executor_exists(
             assert engine.is_running() and engine.status() != psutil.STATUS_ZOMBIE
             engine.kill()
         reaper.wait(60)
-        ended = {json.loads(line)["pid"]: json.loads(line)
-                 for line in status.read_text().splitlines()}
+        ended = _ended(status)
         if claim == "claim":
             assert ended[engine.pid]["code"] == exit_codes.ORPHANED, ended
             assert ended[engine.pid]["at"] - t0 < GONE_BOUND_S, ended
-    finally:
-        if reaper.poll() is None:
-            for p in psutil.Process(reaper.pid).children(recursive=True):
-                p.kill()
-            reaper.kill()
 
 
 @pytest.mark.fast
